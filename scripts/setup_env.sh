@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent set-up for this checkout: a .venv at the repo root with the pinned vLLM
+# and vllm-specx (editable) installed. Sourced by scripts/demo.sh and scripts/test.sh;
+# a second run finds its stamp and installs nothing.
+#
+# CPU hosts (no nvidia-smi): pip resolves vLLM's torch pin to the CPU build of torch,
+# and vLLM drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm` next to a CPU torch, so they are removed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+VLLM_PIN="vllm==0.32.0"
+TORCH_PIN="torch==2.13.0"
+
+stamp_inputs() { cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh"; }
+STAMP="$VENV/.specx-setup-$(stamp_inputs | sha256sum | cut -c1-16)"
+
+if [ -f "$STAMP" ]; then
+  return 0 2>/dev/null || exit 0
+fi
+
+echo "[setup] creating $VENV (one-time; later runs reuse it)" >&2
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  "${PIP[@]}" "$VLLM_PIN"
+else
+  # Install torch first so vLLM's pin is satisfied by the CPU build.
+  "${PIP[@]}" "$TORCH_PIN"
+  "${PIP[@]}" "$VLLM_PIN" "$TORCH_PIN"
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"${PIP[@]}" -e "$ROOT[test,bench]" "$TORCH_PIN"
+"$VENV/bin/python" -c "import vllm, vllm_specx; print('[setup] vllm', vllm.__version__, 'vllm-specx', vllm_specx.__version__)" >&2
+rm -f "$VENV"/.specx-setup-*
+touch "$STAMP"

@@ -1,0 +1,35 @@
+"""Packaging for vllm-specx.
+
+Why vLLM is an *extra* and not a hard requirement: on Ascend, vLLM is installed
+from source with ``VLLM_TARGET_DEVICE=empty`` and vLLM-Ascend on top. A hard
+``vllm`` requirement would make pip "fix" that install by pulling the CUDA wheel
+from PyPI over it. So ``pip install vllm-specx`` never touches vLLM, and
+``pip install vllm-specx[vllm]`` installs the pinned release for CUDA/CPU hosts.
+The same specifier is the supported range that the plugin checks at load time
+(``vllm_specx/version_gate.py`` reads it back from this package's metadata).
+"""
+
+from setuptools import find_packages, setup
+
+SUPPORTED_VLLM = ">=0.32.0,<0.33"
+
+setup(
+    name="vllm-specx",
+    version="0.1.0",
+    description="New speculative-decoding methods (MTAD, adaptive length, MTP) for vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_specx", "vllm_specx.*"]),
+    package_data={"vllm_specx": ["py.typed"]},
+    install_requires=["packaging"],
+    extras_require={
+        "vllm": [f"vllm{SUPPORTED_VLLM}"],
+        "test": ["pytest>=8", "ruff>=0.6", "scipy", "transformers", "tokenizers", "safetensors"],
+        "bench": ["matplotlib", "tqdm"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["vllm_specx = vllm_specx.plugin:register"],
+        "console_scripts": ["vllm-specx = vllm_specx.cli:main"],
+    },
+)
