@@ -1,10 +1,30 @@
-"""vLLM plugin entry point (group ``vllm.general_plugins``)."""
+"""vLLM plugin entry point (group ``vllm.general_plugins``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core,
+each worker), sometimes more than once. It must be idempotent, cheap, and must not
+initialise CUDA: it only wraps a few vLLM functions (the runner patch waits until vLLM
+imports the runner) and, on a CPU host without vLLM's compiled CPU ops, registers the
+PyTorch reference ops.
+"""
 
 from __future__ import annotations
 
+import threading
+
+_lock = threading.Lock()
+_registered = False
+
 
 def register() -> None:
-    """Called by vLLM in every process; must be idempotent and cheap."""
-    from vllm_specx.cpu_ops import register_cpu_reference_ops_if_needed
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        from vllm_specx.cpu_ops import register_cpu_reference_ops_if_needed
+        from vllm_specx.glue.patches import apply_all
+        from vllm_specx.version_gate import check_vllm_version
 
-    register_cpu_reference_ops_if_needed()
+        check_vllm_version()
+        apply_all()
+        register_cpu_reference_ops_if_needed()
+        _registered = True

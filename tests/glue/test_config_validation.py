@@ -1,0 +1,256 @@
+"""Bad speculative configs are refused with ONE line naming key, value and what is allowed.
+
+These run the pure validator with vLLM's real method list and SpeculativeConfig fields
+and the real device limits of each backend; the engine-level seam is covered in
+test_engine_args.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from vllm_specx.backends import backend_for_device
+from vllm_specx.config import SpecxConfigError, translate
+from vllm_specx.glue.patches import vllm_method_names, vllm_speculative_fields
+from vllm_specx.methods import METHODS
+
+VLLM_METHODS = vllm_method_names()
+VLLM_FIELDS = vllm_speculative_fields()
+
+
+def run(config: dict, device: str = "cpu", check_available: bool = False):
+    backend = backend_for_device(device)
+    return translate(
+        config,
+        vllm_methods=VLLM_METHODS,
+        vllm_fields=VLLM_FIELDS,
+        limits=backend.limits,
+        device=device,
+        check_available=check_available,
+    )
+
+
+def write_head(path: Path, hidden: int, *, out_rows: int = 2, weights: bool = True) -> Path:
+    """A minimal safetensors acceptance head: blocks of [H, H] and an output [rows, H]."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not weights:
+        return path
+    tensors = {"blocks.0.weight": [hidden, hidden], "out.weight": [out_rows, hidden]}
+    header, offset, payload = {}, 0, b""
+    for name, shape in tensors.items():
+        n = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n]}
+        payload += b"\0" * n
+        offset += n
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + payload)
+    return path
+
+
+@pytest.fixture()
+def draft_dir(tmp_path: Path) -> str:
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    return str(d)
+
+
+def refused(config: dict, *fragments: str, device: str = "cpu") -> str:
+    with pytest.raises(SpecxConfigError) as info:
+        run(config, device=device)
+    message = str(info.value)
+    assert "\n" not in message, "one line"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+M = {"method": "mtad", "model": "draft-dir"}
+A = {"method": "adaptive", "model": "draft-dir"}
+
+BAD_CASES = [
+    # (id, config, fragments the message must contain, device)
+    ("unknown-method", {"method": "beam"}, ['"method"] = "beam"', "mtad", "adaptive",
+                                            "specx_mtp", "ngram", "draft_model", "eagle3"], "cpu"),
+    ("method-not-string", {"method": 3}, ['"method"] = 3', "valid methods"], "cpu"),
+    ("mtad-model-missing", {"method": "mtad"}, ['"model"] is missing', "'mtad'",
+                                               "draft model"], "cpu"),
+    ("mtad-model-empty", {**M, "model": "  "}, ['"model"] = "  "', "non-empty string"], "cpu"),
+    ("mtad-model-not-string", {**M, "model": 5}, ['"model"] = 5', "non-empty string"], "cpu"),
+    ("k-zero", {**M, "num_speculative_tokens": 0}, ['"num_speculative_tokens"] = 0',
+                                                    "integer >= 1"], "cpu"),
+    ("k-string", {**M, "num_speculative_tokens": "4"}, ['"num_speculative_tokens"] = "4"',
+                                                        "integer >= 1"], "cpu"),
+    ("k-bool", {**M, "num_speculative_tokens": True}, ['"num_speculative_tokens"] = true',
+                                                       "integer"], "cpu"),
+    ("k-float", {**M, "num_speculative_tokens": 2.5}, ["= 2.5", "integer >= 1"], "cpu"),
+    ("beams-zero", {**M, "num_beams": 0}, ['"num_beams"] = 0', "integer >= 1", "'mtad'"], "cpu"),
+    ("beams-string", {**M, "num_beams": "4"}, ['"num_beams"] = "4"', "integer >= 1"], "cpu"),
+    ("beams-bool", {**M, "num_beams": True}, ['"num_beams"] = true', "integer >= 1"], "cpu"),
+    ("tau-zero", {**M, "acceptance_threshold": 0}, ['"acceptance_threshold"] = 0',
+                                                    "(0, 1]"], "cpu"),
+    ("tau-above-one", {**M, "acceptance_threshold": 1.5}, ["= 1.5", "(0, 1]"], "cpu"),
+    ("tau-string", {**M, "acceptance_threshold": "0.3"}, ['= "0.3"', "(0, 1]"], "cpu"),
+    ("tau-nan", {**M, "acceptance_threshold": float("nan")}, ["= nan", "(0, 1]"], "cpu"),
+    ("beam-positions-cpu", {**M, "num_beams": 32, "num_speculative_tokens": 16},
+     ['"num_beams"] = 32', "= 512 exceeds 256", "cpu"], "cpu"),
+    ("ascend-k-limit", {**M, "num_speculative_tokens": 16, "num_beams": 1},
+     ['"num_speculative_tokens"] = 16', "at most 15", "K + 1 <= 16"], "npu"),
+    ("ascend-beam-positions", {**M, "num_speculative_tokens": 15, "num_beams": 8},
+     ['"num_beams"] = 8', "= 120 exceeds 64"], "npu"),
+    ("stop-threshold-one", {**A, "stop_threshold": 1.0}, ['"stop_threshold"] = 1.0',
+                                                          "(0, 1)", "'adaptive'"], "cpu"),
+    ("stop-threshold-zero", {**A, "stop_threshold": 0}, ['"stop_threshold"] = 0', "(0, 1)"],
+     "cpu"),
+    ("confidence-negative", {**A, "confidence_threshold": -0.1},
+     ['"confidence_threshold"] = -0.1', "(0, 1)"], "cpu"),
+    ("min-k-above-k", {**A, "num_speculative_tokens": 4, "min_speculative_tokens": 5},
+     ['"min_speculative_tokens"] = 5', "at most num_speculative_tokens (4)"], "cpu"),
+    ("min-k-zero", {**A, "min_speculative_tokens": 0}, ['"min_speculative_tokens"] = 0',
+                                                        "integer >= 1"], "cpu"),
+    ("head-missing-path", {**A, "acceptance_head": "/nonexistent/head"},
+     ['"acceptance_head"] = "/nonexistent/head"', "does not exist"], "cpu"),
+    ("mtad-takes-adaptive-knob", {**M, "stop_threshold": 0.5},
+     ['"stop_threshold"] = 0.5', "belongs to specx method 'adaptive'", "'mtad'"], "cpu"),
+    ("adaptive-takes-mtad-knob", {**A, "num_beams": 4},
+     ['"num_beams"] = 4', "belongs to specx method 'mtad'"], "cpu"),
+    ("vllm-method-with-specx-knob", {"method": "draft_model", "model": "d", "num_beams": 2},
+     ['"num_beams"] = 2', "'mtad'", "not to vLLM's 'draft_model'"], "cpu"),
+    ("specx-knob-without-method", {"model": "d", "acceptance_threshold": 0.2},
+     ['"acceptance_threshold"] = 0.2', "'mtad'", 'set "method"'], "cpu"),
+    ("ngram-key-on-mtad", {**M, "prompt_lookup_max": 4},
+     ['"prompt_lookup_max"] = 4', "vLLM's ngram method"], "cpu"),
+    ("rejection-method-on-mtad", {**M, "rejection_sample_method": "synthetic"},
+     ['"rejection_sample_method"] = "synthetic"', "specx sampler"], "cpu"),
+    ("unknown-key", {**M, "beams": 4}, ['"beams"] = 4', "unknown key", "num_beams"], "cpu"),
+    ("unsupported-vllm-field", {**M, "num_speculative_tokens_per_batch_size": "1:4"},
+     ['"num_speculative_tokens_per_batch_size"] = "1:4"', "not supported with specx methods", "allowed keys"], "cpu"),
+    ("mtp-stop-without-adaptive", {"method": "specx_mtp", "stop_threshold": 0.5},
+     ['"stop_threshold"] = 0.5', '"adaptive": true'], "cpu"),
+    ("mtp-adaptive-not-bool", {"method": "mtp", "adaptive": "yes"},
+     ['"adaptive"] = "yes"', "true or false", "'specx_mtp'"], "cpu"),
+    ("ascend-mtp-k-limit", {"method": "specx_mtp", "num_speculative_tokens": 20},
+     ["= 20", "at most 15", "K + 1 <= 16"], "npu"),
+]
+
+
+@pytest.mark.parametrize(
+    "config,fragments,device", [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES]
+)
+def test_bad_input_is_refused_with_one_clear_line(config, fragments, device):
+    refused(config, *fragments, device=device)
+
+
+def test_at_least_25_refusals_are_covered():
+    assert len(BAD_CASES) >= 25
+
+
+def test_acceptance_head_without_weights(tmp_path, draft_dir):
+    head = write_head(tmp_path / "head", 64, weights=False)
+    refused({**A, "model": draft_dir, "acceptance_head": str(head)},
+            '"acceptance_head"]', "model.safetensors")
+
+
+def test_acceptance_head_wrong_hidden_size(tmp_path, draft_dir):
+    head = write_head(tmp_path / "head", 32)
+    refused({**A, "model": draft_dir, "acceptance_head": str(head)},
+            '"acceptance_head"]', "hidden size 64", "expects hidden size 32")
+
+
+def test_acceptance_head_without_two_class_output(tmp_path, draft_dir):
+    head = write_head(tmp_path / "head", 64, out_rows=3)
+    refused({**A, "model": draft_dir, "acceptance_head": str(head)},
+            '"acceptance_head"]', "[2, hidden]")
+
+
+def test_acceptance_head_that_fits_is_accepted(tmp_path, draft_dir):
+    head = write_head(tmp_path / "head", 64)
+    result = run({**A, "model": draft_dir, "acceptance_head": str(head)})
+    assert result.specx_settings["acceptance_head"] == str(head)
+
+
+def test_hub_id_head_is_left_for_load_time(draft_dir):
+    result = run({**A, "model": draft_dir, "acceptance_head": "org/specdec-head"})
+    assert result.specx_settings["acceptance_head"] == "org/specdec-head"
+
+
+# -- translation ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "ngram", "prompt_lookup_max": 4, "num_speculative_tokens": 3},
+        {"method": "draft_model", "model": "d", "num_speculative_tokens": 3},
+        {"method": "eagle3", "model": "d", "num_speculative_tokens": 2},
+        {"method": "mtp", "num_speculative_tokens": 1},
+        {"model": "d", "num_speculative_tokens": 2},
+    ],
+)
+def test_vllm_methods_are_not_ours(config):
+    assert run(config) is None
+
+
+def test_mtad_translates_to_draft_model_with_defaults():
+    result = run({"method": "mtad", "model": "d"})
+    assert result.vllm_speculative_config == {
+        "method": "draft_model", "model": "d", "num_speculative_tokens": 4,
+    }
+    assert result.specx_settings == {
+        "method": "mtad", "num_speculative_tokens": 4, "num_beams": 4,
+        "acceptance_threshold": 0.1,
+    }
+
+
+def test_hyphenated_keys_and_passthrough():
+    result = run({"method": "mtad", "model": "d", "num-speculative-tokens": 2, "num_beams": 2,
+                  "draft_tensor_parallel_size": 1, "max_model_len": 256})
+    assert result.vllm_speculative_config == {
+        "method": "draft_model", "model": "d", "num_speculative_tokens": 2,
+        "draft_tensor_parallel_size": 1, "max_model_len": 256,
+    }
+    assert result.specx_settings["num_beams"] == 2
+
+
+def test_adaptive_translation():
+    result = run({"method": "adaptive", "model": "d", "num_speculative_tokens": 12,
+                  "stop_threshold": 0.3, "min_speculative_tokens": 2})
+    assert result.vllm_speculative_config["method"] == "draft_model"
+    assert result.specx_settings == {
+        "method": "adaptive", "num_speculative_tokens": 12, "min_speculative_tokens": 2,
+        "stop_threshold": 0.3, "acceptance_head": None, "confidence_threshold": 0.5,
+    }
+
+
+def test_mtp_with_a_specx_knob_is_specx_mtp():
+    result = run({"method": "mtp", "num_speculative_tokens": 2, "adaptive": True,
+                  "stop_threshold": 0.4})
+    assert result.vllm_speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert result.specx_settings["method"] == "specx_mtp"
+    assert result.specx_settings["adaptive"] is True
+    assert result.specx_settings["stop_threshold"] == 0.4
+
+
+def test_specx_mtp_leaves_k_to_vllm():
+    result = run({"method": "specx_mtp"})
+    assert result.vllm_speculative_config == {"method": "mtp"}
+
+
+def test_unavailable_method_fails_at_start_without_fallback():
+    unavailable = [name for name, spec in METHODS.items() if not spec.available]
+    for name in unavailable:
+        config = {"method": name, "model": "d"} if METHODS[name].needs_draft_model else {
+            "method": name}
+        with pytest.raises(SpecxConfigError, match="not available yet in this version"):
+            run(config, check_available=True)
+
+
+def test_passthrough_keys_are_real_vllm_fields():
+    """Drift check: a vLLM upgrade that drops a field we pass through must fail here."""
+    from vllm_specx.methods import CONFLICTING_VLLM_KEYS, PASSTHROUGH_VLLM_KEYS
+
+    assert PASSTHROUGH_VLLM_KEYS <= VLLM_FIELDS
+    assert set(CONFLICTING_VLLM_KEYS) <= VLLM_FIELDS

@@ -1,0 +1,231 @@
+"""The plugin as vLLM sees it: entry point, patches, config seam, CLI, version gate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from vllm_specx.config import SPECX_CONFIG_KEY
+from vllm_specx.glue.patches import ALL_PATCHES, SpeculativeConfigTranslation
+from vllm_specx.methods import METHODS
+from vllm_specx.version_gate import (
+    SKIP_ENV,
+    UnsupportedVllmVersion,
+    check_vllm_version,
+    supported_vllm_range,
+)
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A config-only Llama directory: enough for vLLM to build an engine config."""
+    d = tmp_path_factory.mktemp("cfg-llama")
+    (d / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    return str(d)
+
+
+def engine_config(model_dir: str, speculative_config: dict | None, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=model_dir, skip_tokenizer_init=True, speculative_config=speculative_config,
+        **kw,
+    ).create_engine_config()
+
+
+def test_entry_point_is_discoverable_after_install():
+    eps = metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "vllm_specx"]
+    assert len(ours) == 1 and ours[0].value == "vllm_specx.plugin:register"
+    assert ours[0].load().__module__ == "vllm_specx.plugin"
+
+
+def test_vllm_loads_the_plugin_without_any_user_import():
+    """A fresh interpreter that only uses vLLM ends up with every eager patch applied."""
+    code = (
+        "import sys\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "EngineArgs(model='x')\n"  # __post_init__ loads general plugins
+        "assert 'vllm_specx.plugin' in sys.modules\n"
+        "f = EngineArgs.create_speculative_config\n"
+        "print(getattr(f, '__specx_patch__', None))\n"
+        "print('vllm.v1.worker.gpu_model_runner' in sys.modules)\n"
+        "import vllm.v1.worker.gpu_model_runner as r\n"
+        "print(getattr(r.GPUModelRunner.__init__, '__specx_patch__', None))\n"
+        "import torch; print(torch.cuda.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split()
+    # eager patch applied; runner patch deferred until vLLM imports the runner, then applied
+    assert lines[-4:] == ["speculative_config_translation", "False",
+                          "runner_specx_components", "False"]
+
+
+def test_register_is_idempotent():
+    from vllm_specx import plugin
+
+    plugin.register()
+    plugin.register()
+    for patch in ALL_PATCHES:
+        patch.apply()  # a second apply must not wrap the wrapper
+    from vllm.engine.arg_utils import EngineArgs
+
+    wrapped = EngineArgs.create_speculative_config
+    assert wrapped.__specx_patch__ == "speculative_config_translation"
+    assert not hasattr(wrapped.__specx_original__, "__specx_patch__")
+
+
+def _spec_fingerprint(cfg) -> tuple:
+    spec = cfg.speculative_config
+    fields = {f.name: repr(getattr(spec, f.name)) for f in dataclasses.fields(spec)
+              if f.name not in ("target_model_config", "draft_model_config",
+                                "target_parallel_config", "draft_parallel_config")}
+    return (json.dumps(fields, sort_keys=True), repr(cfg.additional_config),
+            cfg.compute_hash(), cfg.use_v2_model_runner)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        {"method": "draft_model", "num_speculative_tokens": 2},
+        {"num_speculative_tokens": 2},  # no method: vLLM infers draft_model
+    ],
+)
+def test_vllm_methods_give_identical_configs_with_and_without_the_plugin(model_dir, spec):
+    spec = {**spec, "model": model_dir} if spec.get("method") != "ngram" else spec
+    with_plugin = _spec_fingerprint(engine_config(model_dir, dict(spec)))
+    patch = SpeculativeConfigTranslation()
+    patch.revert()
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        assert not hasattr(EngineArgs.create_speculative_config, "__specx_patch__")
+        without_plugin = _spec_fingerprint(engine_config(model_dir, dict(spec)))
+    finally:
+        patch.apply()
+    assert with_plugin == without_plugin
+
+
+def test_specx_method_builds_vllm_config_and_carries_settings(model_dir, monkeypatch):
+    # Exercise the seam for every specx method, whether or not its drafter has shipped.
+    for name, spec in METHODS.items():
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(spec, available=True))
+    cfg = engine_config(model_dir, {"method": "mtad", "model": model_dir,
+                                    "num_speculative_tokens": 3, "num_beams": 2,
+                                    "acceptance_threshold": 0.25})
+    assert cfg.speculative_config.method == "draft_model"
+    assert cfg.speculative_config.num_speculative_tokens == 3
+    assert cfg.speculative_config.draft_model_config.model == model_dir
+    assert cfg.additional_config[SPECX_CONFIG_KEY] == {
+        "method": "mtad", "num_speculative_tokens": 3, "num_beams": 2,
+        "acceptance_threshold": 0.25,
+    }
+    assert cfg.use_v2_model_runner is False
+
+
+def test_spec_flags_select_specx_methods(model_dir, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    for name, spec in METHODS.items():
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(spec, available=True))
+    cfg = EngineArgs(model=model_dir, skip_tokenizer_init=True, spec_method="mtad",
+                     spec_model=model_dir, spec_tokens=2).create_engine_config()
+    assert cfg.speculative_config.method == "draft_model"
+    assert cfg.additional_config[SPECX_CONFIG_KEY]["num_beams"] == 4
+
+
+def test_unavailable_method_fails_at_engine_config(model_dir):
+    unavailable = [n for n, s in METHODS.items() if not s.available and s.needs_draft_model]
+    if not unavailable:
+        pytest.skip("every draft-model method has shipped")
+    with pytest.raises(ValueError, match="not available yet in this version"):
+        engine_config(model_dir, {"method": unavailable[0], "model": model_dir})
+
+
+def test_v2_runner_request_is_refused(model_dir, monkeypatch):
+    for name, spec in METHODS.items():
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(spec, available=True))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner only"):
+        engine_config(model_dir, {"method": "mtad", "model": model_dir})
+
+
+# -- a real CLI process --------------------------------------------------------------
+def _vllm_serve(model_dir: str, *args: str) -> subprocess.CompletedProcess:
+    vllm_bin = Path(sys.executable).with_name("vllm")
+    return subprocess.run(
+        [str(vllm_bin), "serve", model_dir, "--skip-tokenizer-init", "--port", "0", *args],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
+
+
+@pytest.mark.engine
+def test_vllm_serve_refuses_bad_knob_before_engine_start(model_dir):
+    out = _vllm_serve(model_dir, "--speculative-config",
+                      json.dumps({"method": "mtad", "model": model_dir, "num_beams": 0}))
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert 'speculative_config["num_beams"] = 0 is not allowed for method \'mtad\'' in text
+    assert "Starting vLLM" not in text or "EngineCore" not in text  # refused before start
+
+
+@pytest.mark.engine
+def test_vllm_serve_accepts_spec_method_flag(model_dir):
+    out = _vllm_serve(model_dir, "--spec-method", "mtad", "--spec-model", model_dir,
+                      "--spec-tokens", "0")
+    text = out.stdout + out.stderr
+    assert "invalid choice" not in text  # argparse took the specx method
+    assert 'speculative_config["num_speculative_tokens"] = 0' in text
+
+
+# -- version gate --------------------------------------------------------------------
+def test_supported_range_comes_from_package_metadata():
+    import re
+
+    from packaging.specifiers import SpecifierSet
+
+    setup_py = (Path(__file__).parents[2] / "setup.py").read_text()
+    declared = re.search(r'SUPPORTED_VLLM = "([^"]+)"', setup_py).group(1)
+    assert supported_vllm_range() == SpecifierSet(declared)
+    import vllm
+
+    check_vllm_version(vllm.__version__)  # the installed pin passes
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+empty", "0.32.3", "0.32.1.dev7+gabc"])
+def test_supported_versions_pass(version, monkeypatch):
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.33.0.dev1", "1.0.0", "garbage"])
+def test_unsupported_versions_fail_clearly(version, monkeypatch):
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    with pytest.raises(UnsupportedVllmVersion) as info:
+        check_vllm_version(version)
+    message = str(info.value)
+    assert version in message and str(supported_vllm_range()) in message and SKIP_ENV in message
+
+
+def test_version_gate_bypass(monkeypatch):
+    monkeypatch.setenv(SKIP_ENV, "1")
+    check_vllm_version("0.99.0")

@@ -1,0 +1,283 @@
+"""Validate a user's speculative-config dict and translate specx methods for vLLM.
+
+A specx method (``mtad``, ``adaptive``, ``specx_mtp``) becomes a vLLM base config
+(e.g. ``{"method": "draft_model", ...}``) plus the specx settings, which travel to
+every worker in ``additional_config["specx"]``. vLLM's own methods pass through
+untouched (the function returns ``None`` for them).
+
+Every refusal is ONE ``SpecxConfigError`` line naming the key, the value and what is
+allowed, raised before the engine starts. No vLLM import here: the caller passes
+vLLM's method names and config fields, and the device limits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_specx.backends.base import DeviceLimits
+from vllm_specx.methods import (
+    COMMON_KNOBS,
+    CONFLICTING_VLLM_KEYS,
+    METHODS,
+    MTP_ALIAS_TRIGGERS,
+    PASSTHROUGH_VLLM_KEYS,
+    MethodSpec,
+    knob_owners,
+)
+
+SPECX_CONFIG_KEY = "specx"  # key under vLLM's additional_config
+
+
+class SpecxConfigError(ValueError):
+    """A speculative-config value vllm-specx refuses, with the reason in one line."""
+
+
+@dataclass(frozen=True)
+class Translation:
+    """What a specx speculative config becomes."""
+
+    vllm_speculative_config: dict[str, Any]
+    specx_settings: dict[str, Any]
+
+
+def _fmt(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool, type(None))) else repr(value)
+
+
+def _bad(key: str, value: Any, allowed: str, method: str | None = None) -> SpecxConfigError:
+    where = f" for method '{method}'" if method else ""
+    return SpecxConfigError(
+        f'speculative_config["{key}"] = {_fmt(value)} is not allowed{where}: {allowed}.'
+    )
+
+
+def resolve_method(config: Mapping[str, Any], vllm_methods: Collection[str]) -> str | None:
+    """The specx method a config selects, or None when it is vLLM's own business.
+
+    Raises for an unknown method name, and for specx knobs given to a vLLM method or
+    with no method at all (they would otherwise be silently dropped or rejected by vLLM
+    with a message that does not mention the plugin).
+    """
+    method = config.get("method")
+    specx_keys = sorted(k for k in config if knob_owners(k))
+    if method is None:
+        if specx_keys:
+            owners = knob_owners(specx_keys[0])
+            raise _bad(
+                specx_keys[0], config[specx_keys[0]],
+                f"it is a knob of specx method {_or(owners)}; set \"method\" to use it",
+            )
+        return None
+    if not isinstance(method, str) or method not in set(vllm_methods) | set(METHODS):
+        raise _bad(
+            "method", method,
+            "valid methods are vllm-specx's " + ", ".join(sorted(METHODS))
+            + " and vLLM's " + ", ".join(sorted(set(vllm_methods) - set(METHODS))),
+        )
+    if method in METHODS:
+        return method
+    if method == "mtp" and any(k in MTP_ALIAS_TRIGGERS for k in config):
+        return "specx_mtp"
+    if specx_keys:
+        owners = knob_owners(specx_keys[0])
+        raise _bad(
+            specx_keys[0], config[specx_keys[0]],
+            f"it belongs to specx method {_or(owners)}, not to vLLM's '{method}'",
+        )
+    return None
+
+
+def _or(names: list[str]) -> str:
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def translate(
+    config: Mapping[str, Any],
+    *,
+    vllm_methods: Collection[str],
+    vllm_fields: Collection[str],
+    limits: DeviceLimits,
+    device: str,
+    check_available: bool = True,
+) -> Translation | None:
+    """Validate ``config`` and translate it if it selects a specx method.
+
+    Returns None for vLLM's own methods (the caller must then leave the config exactly
+    as it was). ``vllm_fields`` are the field names of vLLM's ``SpeculativeConfig``.
+    """
+    config = {k.replace("-", "_"): v for k, v in config.items()}
+    name = resolve_method(config, vllm_methods)
+    if name is None:
+        return None
+    spec = METHODS[name]
+    _check_keys(config, spec, vllm_fields)
+
+    model = config.get("model")
+    if spec.needs_draft_model:
+        if model is None:
+            raise SpecxConfigError(
+                f'speculative_config["model"] is missing for method \'{name}\': it needs a '
+                "draft model (a local directory or hub id)."
+            )
+        if not isinstance(model, str) or not model.strip():
+            raise _bad("model", model, "a draft model path or hub id (a non-empty string)", name)
+    elif model is not None and not isinstance(model, str):
+        raise _bad("model", model, "a model path or hub id (a non-empty string)", name)
+
+    num_tokens = config.get("num_speculative_tokens", spec.default_num_speculative_tokens)
+    if num_tokens is not None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise _bad("num_speculative_tokens", num_tokens, "an integer >= 1", name)
+        max_k = limits.max_num_speculative_tokens
+        if max_k is not None and num_tokens > max_k:
+            raise _bad(
+                "num_speculative_tokens", num_tokens,
+                f"at most {max_k} on {device} ({limits.reason_max_num_speculative_tokens})",
+                name,
+            )
+
+    settings: dict[str, Any] = {"method": name, "num_speculative_tokens": num_tokens}
+    for knob in spec.knobs:
+        given = knob.name in config
+        value = config.get(knob.name, knob.default)
+        if given:
+            if not knob.type_ok(value) or (knob.check is not None and not knob.check(value)):
+                raise _bad(knob.name, value, knob.allowed, name)
+            if knob.requires is not None:
+                other, needed = knob.requires
+                if config.get(other, spec.knob(other).default) != needed:
+                    raise _bad(
+                        knob.name, value,
+                        f'it only applies with "{other}": {_fmt(needed)}', name,
+                    )
+        settings[knob.name] = value
+
+    _check_cross_knob(settings, spec, limits, device, model)
+
+    vllm_config: dict[str, Any] = {"method": spec.vllm_method}
+    if model is not None:
+        vllm_config["model"] = model
+    if num_tokens is not None:
+        vllm_config["num_speculative_tokens"] = num_tokens
+    for key in sorted(PASSTHROUGH_VLLM_KEYS & config.keys()):
+        vllm_config[key] = config[key]
+
+    if check_available and not spec.available:
+        raise SpecxConfigError(
+            f'speculative_config["method"] = "{name}" is not available yet in this version of '
+            f"vllm-specx (its drafter has not shipped); available specx methods: "
+            f"{', '.join(sorted(m for m, s in METHODS.items() if s.available)) or 'none yet'}."
+        )
+    return Translation(vllm_speculative_config=vllm_config, specx_settings=settings)
+
+
+def _check_keys(config: Mapping[str, Any], spec: MethodSpec, vllm_fields: Collection[str]) -> None:
+    allowed = sorted(set(COMMON_KNOBS) | {k.name for k in spec.knobs} | PASSTHROUGH_VLLM_KEYS)
+    for key in sorted(config):
+        value = config[key]
+        if key in COMMON_KNOBS or spec.knob(key) is not None or key in PASSTHROUGH_VLLM_KEYS:
+            continue
+        owners = knob_owners(key)
+        if owners:
+            raise _bad(key, value, f"it belongs to specx method {_or(owners)}", spec.name)
+        if key in CONFLICTING_VLLM_KEYS:
+            raise _bad(key, value, f"not used with specx methods ({CONFLICTING_VLLM_KEYS[key]})",
+                       spec.name)
+        if key in vllm_fields:
+            raise _bad(
+                key, value,
+                "this vLLM setting is not supported with specx methods; allowed keys: "
+                + ", ".join(allowed),
+                spec.name,
+            )
+        raise _bad(key, value, "unknown key; allowed keys: " + ", ".join(allowed), spec.name)
+
+
+def _check_cross_knob(
+    settings: Mapping[str, Any],
+    spec: MethodSpec,
+    limits: DeviceLimits,
+    device: str,
+    model: str | None,
+) -> None:
+    k = settings["num_speculative_tokens"]
+    if "num_beams" in settings and k is not None:
+        positions = settings["num_beams"] * k
+        if positions > limits.max_beam_positions:
+            raise _bad(
+                "num_beams", settings["num_beams"],
+                f"num_beams * num_speculative_tokens = {positions} exceeds "
+                f"{limits.max_beam_positions} on {device} ({limits.reason_max_beam_positions})",
+                spec.name,
+            )
+    min_k = settings.get("min_speculative_tokens")
+    if min_k is not None and k is not None and min_k > k and (
+        spec.knob("min_speculative_tokens").requires is None or settings.get("adaptive")
+    ):
+        raise _bad(
+            "min_speculative_tokens", min_k,
+            f"at most num_speculative_tokens ({k})", spec.name,
+        )
+    head = settings.get("acceptance_head")
+    if head is not None:
+        check_acceptance_head(head, draft_model=model, method=spec.name)
+
+
+def _looks_like_local_path(value: str) -> bool:
+    return value.startswith(("/", ".", "~")) or os.sep + os.sep in value or value.count("/") != 1
+
+
+def read_safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors header (no torch needed)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def check_acceptance_head(head: str, *, draft_model: str | None, method: str) -> None:
+    """Refuse an acceptance head that does not exist or does not fit the draft model.
+
+    A local head is a directory with ``model.safetensors`` whose output layer maps the
+    draft's hidden size to 2 classes (reject, accept). A hub id that is not a local
+    directory is accepted here and resolved when the head is loaded.
+    """
+    path = Path(head).expanduser()
+    if not path.exists():
+        if _looks_like_local_path(head):
+            raise _bad("acceptance_head", head, "an existing directory (this path does not "
+                       "exist) or a hub id like org/name", method)
+        return
+    weights = path / "model.safetensors"
+    if not path.is_dir() or not weights.is_file():
+        raise _bad("acceptance_head", head,
+                   "a directory containing model.safetensors (an acceptance head)", method)
+    shapes = read_safetensors_shapes(weights)
+    outputs = {k: s for k, s in shapes.items() if len(s) == 2 and s[0] == 2}
+    if not outputs:
+        raise _bad("acceptance_head", head, "a head whose output layer has shape [2, hidden] "
+                   f"(found {sorted(shapes.items())[:4]})", method)
+    head_hidden = next(iter(outputs.values()))[1]
+    draft_hidden = _local_hidden_size(draft_model)
+    if draft_hidden is not None and draft_hidden != head_hidden:
+        raise _bad("acceptance_head", head,
+                   f"a head for hidden size {draft_hidden} (the draft model's); this head "
+                   f"expects hidden size {head_hidden}", method)
+
+
+def _local_hidden_size(model: str | None) -> int | None:
+    if model is None:
+        return None
+    cfg = Path(model).expanduser() / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    data = data.get("text_config", data)
+    return data.get("hidden_size")

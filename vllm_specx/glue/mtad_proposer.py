@@ -1,0 +1,441 @@
+"""MTAD drafting inside vLLM: beam search of width B and depth K in the draft model.
+
+``MTADProposer`` is vLLM's ``DraftModelProposer`` (checked on vLLM 0.32.0, V1 model
+runner) with a different ``propose``: instead of one chain of K tokens it runs, for every
+request of the batch, the beam search of ``vllm_specx.algorithms.beam_draft`` and returns
+the best beam's K tokens, ``[num_reqs, K]`` like the base class. The chosen beam's
+per-token draft probabilities ``q_j`` are left for ``take_last_draft_probs()`` as a
+``[num_reqs, K]`` float32 tensor; the runner slices ``[row, :num_draft]`` per request and
+concatenates them into the 1-D ``[T]`` tensor the specx sampler's MTAD rule reads.
+
+Draft KV cache: "recompute the tail"
+------------------------------------
+The B beams of one request write different tokens at the same positions, but a request
+owns only one set of KV slots. We therefore keep vLLM's slot layout untouched and use
+only the positions vLLM's own draft-model drafter writes (the request's lookahead slots
+``P+1 .. P+K-1``, where ``P`` is the position of the token the target just emitted):
+
+* the first pass is exactly the base class's (the target's verified tokens plus the new
+  token, one pass for the whole batch) and gives every request's first-token logits;
+* at depth ``j`` (1..K-1) each beam's ``j``-token tail must be the content of the lookahead
+  slots when its next-token logits are computed. Beams of one request cannot share a
+  forward pass (the KV write of one would be read by the other), so depth ``j`` runs B
+  passes; pass ``b`` carries beam ``b`` of every request, as a ragged query of that
+  beam's tail at positions ``P+1+s .. P+j`` (``seq_len = P+1+j``).
+* ``s`` is how much of the tail is already in the slots: the proposer remembers which
+  tokens it last wrote there, and the KV at ``P+i`` is still valid when the first ``i``
+  tail tokens agree (causality). Beams are visited in lexicographic order of their tails
+  so that siblings follow each other; a sibling then costs one token instead of ``j``.
+  Without that reuse the cost is ``B * K * (K-1) / 2`` draft tokens per request per round
+  on top of the first pass (``reuse_kv_prefix = False`` measures it).
+
+Nothing is allocated beyond what vLLM already reserves, and the slots written are the
+ones vanilla drafting writes, so prefix caching, chunked prefill and preemption see the
+same KV-cache bookkeeping as with ``method="draft_model"``: the next round's first pass
+rewrites the draft KV of every verified token anyway.
+
+Warping: each request's own temperature, top-k and top-p (vLLM's order); greedy requests
+(temperature 0) run deterministic top-B beam search on the unwarped draft log-probs.
+Seeded requests draw from their own ``torch.Generator``. Not applied to the draft (as in
+vLLM's own drafter): penalties, bad words, logit bias and other logits processors.
+
+Not supported (refused at construction with the reason): heterogeneous draft/target
+vocabularies, parallel drafting, data parallelism and decode context parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+
+from vllm_specx.algorithms.beam_draft import (
+    BeamSearchState,
+    greedy_mask_from_temperature,
+    recompute_tail_cost,
+    warp_logprobs,
+)
+
+SPECX_KEY = "specx"
+DEFAULT_NUM_BEAMS = 4
+
+
+@dataclass
+class MTADDraftStats:
+    """Draft-model work, counted in tokens fed to the draft model.
+
+    ``first_pass_tokens``: the base-class pass over the verified tokens (what vanilla
+    draft-model drafting also spends). ``tail_tokens``: the beam-tail recomputation at
+    depths 1..K-1 (vanilla would spend ``num_reqs * (K-1)`` there). ``full_recompute``:
+    what the tail passes would cost without KV-prefix reuse (``B*K*(K-1)/2`` per request).
+    """
+
+    rounds: int = 0
+    requests: int = 0  # sum over rounds of the requests drafted for
+    first_pass_tokens: int = 0
+    tail_tokens: int = 0
+    tail_forward_passes: int = 0
+    full_recompute_tail_tokens: int = 0
+    per_round: list[dict[str, int]] = field(default_factory=list)
+    keep_per_round: bool = False
+
+    def record(self, num_reqs: int, k: int, b: int, first: int, tail: int, passes: int) -> None:
+        full = num_reqs * recompute_tail_cost(b, k)
+        self.rounds += 1
+        self.requests += num_reqs
+        self.first_pass_tokens += first
+        self.tail_tokens += tail
+        self.tail_forward_passes += passes
+        self.full_recompute_tail_tokens += full
+        if self.keep_per_round:
+            self.per_round.append(
+                dict(
+                    num_reqs=num_reqs,
+                    k=k,
+                    num_beams=b,
+                    first_pass_tokens=first,
+                    tail_tokens=tail,
+                    tail_forward_passes=passes,
+                    full_recompute_tail_tokens=full,
+                )
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "requests": self.requests,
+            "first_pass_tokens": self.first_pass_tokens,
+            "tail_tokens": self.tail_tokens,
+            "tail_forward_passes": self.tail_forward_passes,
+            "full_recompute_tail_tokens": self.full_recompute_tail_tokens,
+        }
+
+
+def mtad_settings(vllm_config: Any) -> dict[str, Any]:
+    """``additional_config["specx"]`` (empty dict when absent)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    settings = extra.get(SPECX_KEY) if isinstance(extra, dict) else None
+    return dict(settings or {})
+
+
+def lexicographic_order(tails: torch.Tensor) -> torch.Tensor:
+    """[R, B] permutation sorting each row's beams by their token tails [R, B, j]
+    (stable radix sort from the last column), so that beams sharing a prefix are adjacent.
+    """
+    rows, beams, depth = tails.shape
+    order = torch.arange(beams, device=tails.device).expand(rows, beams).contiguous()
+    for col in reversed(range(depth)):
+        keys = tails[:, :, col].gather(1, order)
+        perm = torch.sort(keys, dim=1, stable=True).indices
+        order = order.gather(1, perm)
+    return order
+
+
+class MTADProposer(DraftModelProposer):
+    """Draft-model proposer that drafts by beam search (MTAD). See the module docstring."""
+
+    # Skip recomputing the part of a beam's tail already in the lookahead slots.
+    reuse_kv_prefix: bool = True
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config, device, runner)
+        settings = mtad_settings(vllm_config)
+        self.num_beams = int(settings.get("num_beams", DEFAULT_NUM_BEAMS))
+        if self.num_beams < 1:
+            raise ValueError(f"MTAD: num_beams must be >= 1, got {self.num_beams}")
+        self._refuse_unsupported(vllm_config)
+        self.stats = MTADDraftStats()
+
+    def _refuse_unsupported(self, vllm_config: Any) -> None:
+        reasons = []
+        if self.use_heterogeneous_vocab:
+            reasons.append("draft and target vocabularies differ (heterogeneous vocab)")
+        if self.parallel_drafting:
+            reasons.append("parallel drafting drafts all positions in one pass, not a beam")
+        parallel = vllm_config.parallel_config
+        if parallel.data_parallel_size > 1:
+            reasons.append(
+                "data parallelism: ranks would have to agree on every beam pass's batch shape"
+            )
+        if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+            reasons.append("decode context parallelism (KV shards per rank)")
+        if self.uses_mrope:
+            reasons.append("M-RoPE draft models")
+        if reasons:
+            raise NotImplementedError(
+                "vllm-specx MTAD drafting does not support: " + "; ".join(reasons)
+            )
+
+    # ----------------------------------------------------------------------------------
+    # propose
+    # ----------------------------------------------------------------------------------
+
+    def propose(  # type: ignore[override]
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        k = int(num_speculative_tokens)
+        self.num_speculative_tokens = k
+        self._last_draft_probs = None
+        num_reqs = common_attn_metadata.batch_size()
+
+        logits, sample_positions, cad, first_tokens = self._first_pass(
+            target_token_ids=target_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            next_token_ids=next_token_ids,
+            token_indices_to_sample=token_indices_to_sample,
+            common_attn_metadata=common_attn_metadata,
+            mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        if k == 0:
+            # Same contract as the base class: the pass above keeps the draft KV in sync.
+            return torch.empty(num_reqs, 0, device=logits.device, dtype=torch.int64)
+
+        greedy = greedy_mask_from_temperature(
+            sampling_metadata.temperature, num_reqs, device=logits.device
+        )
+        generators = sampling_metadata.generators or None
+
+        def warp(lg: torch.Tensor) -> torch.Tensor:
+            md = sampling_metadata
+            return warp_logprobs(lg, md.temperature, md.top_k, md.top_p)
+
+        state = BeamSearchState.start(num_reqs, self.num_beams, logits.device)
+        state = state.step(warp(logits), greedy, generators)
+
+        # The request's sequence length once its first j lookahead positions are filled:
+        # the first pass's seq_lens, minus the rejected drafts still counted there
+        # (padded drafter batch), is P + 1.
+        base_seq_lens = cad.seq_lens
+        if num_rejected_tokens_gpu is not None:
+            base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
+        tail = _TailWriter(self, cad, sample_positions, base_seq_lens, k)
+        tail_tokens = tail_passes = 0
+        for depth in range(1, k):
+            tails = state.tokens  # [R, B, depth]
+            order = lexicographic_order(tails)
+            next_lp = torch.empty(num_reqs, self.num_beams, logits.shape[-1], device=logits.device)
+            for i in range(self.num_beams):
+                beam = order[:, i]  # one beam per request in this pass
+                beam_tails = tails.gather(1, beam.view(-1, 1, 1).expand(-1, 1, depth)).squeeze(1)
+                beam_logits, n_tok, n_pass = tail.run(beam_tails)
+                tail_tokens += n_tok
+                tail_passes += n_pass
+                next_lp.scatter_(
+                    1,
+                    beam.view(-1, 1, 1).expand(-1, 1, logits.shape[-1]),
+                    warp(beam_logits).unsqueeze(1),
+                )
+            state = state.step(next_lp, greedy, generators)
+
+        draft_tokens, q = state.best()
+        self._last_draft_probs = q.to(torch.float32).contiguous()
+        self.stats.record(num_reqs, k, self.num_beams, first_tokens, tail_tokens, tail_passes)
+        return draft_tokens
+
+    # ----------------------------------------------------------------------------------
+    # First pass: the base class's, step by step (its propose() fuses it with chain
+    # drafting, so it cannot be called for half of its work).
+    # ----------------------------------------------------------------------------------
+
+    def _first_pass(
+        self,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, int]:
+        """Run the draft over the verified tokens + the new token of every request.
+
+        Returns (first-token logits [R, V], position P of the new token [R], the extended
+        attention metadata, tokens fed).
+        """
+        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
+        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = (
+            self._determine_batch_execution_and_padding(num_tokens)
+        )
+        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
+            num_tokens, num_input_tokens, mm_embed_inputs
+        )
+        if self.eplb_state is not None:
+            self.eplb_state.prepare_forward(self.draft_model_config, num_tokens)
+        with set_forward_context(
+            per_layer_attn_metadata,
+            self.vllm_config,
+            num_tokens=num_input_tokens,
+            num_tokens_across_dp=num_tokens_across_dp,
+            cudagraph_runtime_mode=cudagraph_runtime_mode,
+            slot_mapping=self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
+        ):
+            hidden_states = self.model(**model_kwargs)
+        sample_positions = self.positions[token_indices_to_sample].clone()
+        logits = self.model.compute_logits(hidden_states[token_indices_to_sample])
+        return logits, sample_positions, cad, int(num_tokens)
+
+
+class _TailWriter:
+    """Runs "beam tail" passes for one drafting round and remembers what the lookahead
+    slots of every request hold, so a pass only recomputes what is not there yet.
+
+    Host-side bookkeeping: the tails are small ([R, j] ints), and every pass needs its
+    token count on the host anyway (attention metadata, CUDA-graph padding).
+    """
+
+    def __init__(
+        self,
+        proposer: MTADProposer,
+        cad: CommonAttentionMetadata,
+        sample_positions: torch.Tensor,
+        base_seq_lens: torch.Tensor,
+        k: int,
+    ) -> None:
+        self.p = proposer
+        self.cad = cad
+        self.device = sample_positions.device
+        self.num_reqs = cad.batch_size()
+        self.max_model_len = proposer.max_model_len
+        self.block_size = proposer.block_size
+        self.positions_cpu = sample_positions.to("cpu", torch.int64)  # P per request
+        self.base_seq_cpu = base_seq_lens.to("cpu", torch.int64)  # P + 1 per request
+        # Tokens whose KV sits in the lookahead slots P+1.. (valid for the first
+        # `held_len` of them); nothing is held at the start of a round.
+        self.held = torch.zeros(self.num_reqs, max(k - 1, 1), dtype=torch.int64)
+        self.held_len = torch.zeros(self.num_reqs, dtype=torch.int64)
+        # Rows per pass: every pass must fit the proposer's token buffers.
+        self.max_tokens = proposer.max_num_tokens
+
+    def run(self, tails: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Make ``tails[r]`` ([R, j]) the content of request r's lookahead slots and return
+        the draft logits after its last token ([R, V]), tokens fed, passes run."""
+        tails_cpu = tails.to("cpu", torch.int64)
+        rows, j = tails_cpu.shape
+        cols = torch.arange(j)
+        if self.p.reuse_kv_prefix:
+            agree = (self.held[:, :j] == tails_cpu) & (cols < self.held_len.unsqueeze(1))
+            common = agree.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            # The last tail token always goes in: its output is the logits we need.
+            start = torch.clamp(common, max=j - 1)
+        else:
+            start = torch.zeros(rows, dtype=torch.int64)
+        q_lens = j - start
+        logits_parts = []
+        tokens = passes = 0
+        lo = 0
+        while lo < rows:
+            hi, total = lo, 0
+            while hi < rows and (hi == lo or total + int(q_lens[hi]) <= self.max_tokens):
+                total += int(q_lens[hi])
+                hi += 1
+            logits_parts.append(self._pass(lo, hi, tails_cpu[lo:hi], start[lo:hi]))
+            tokens += total
+            passes += 1
+            lo = hi
+        self.held[:, :j] = tails_cpu
+        self.held_len.fill_(j)
+        return torch.cat(logits_parts, dim=0), tokens, passes
+
+    def _pass(self, lo: int, hi: int, tails: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One draft forward pass over requests lo..hi-1, each fed tails[r, start[r]:]."""
+        p = self.p
+        rows, j = tails.shape
+        q_lens = j - start
+        cols = torch.arange(j)
+        feed = cols.unsqueeze(0) >= start.unsqueeze(1)  # [rows, j]
+        token_ids = tails[feed]  # row-major: each request's tokens are contiguous
+        # Lookahead position of tail token i is P + 1 + i.
+        positions = (self.positions_cpu[lo:hi].unsqueeze(1) + 1 + cols.unsqueeze(0))[feed]
+        seq_lens = self.base_seq_cpu[lo:hi] + j
+        # Near max_model_len: vLLM's drafter clamps and writes nothing out of range;
+        # drafts there are never scheduled, they only must not crash or corrupt.
+        too_far = positions >= self.max_model_len
+        positions = positions.clamp(max=self.max_model_len - 1)
+        seq_lens = seq_lens.clamp(max=self.max_model_len)
+        qsl_cpu = torch.zeros(rows + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.cumsum(q_lens, 0).to(torch.int32)
+        num_tokens = int(qsl_cpu[-1])
+
+        req_of_token = torch.repeat_interleave(torch.arange(rows), q_lens)
+        block_table = self.cad.block_table_tensor[lo:hi]
+        n_blocks = block_table.shape[1]
+        block_idx = torch.clamp(positions // self.block_size, max=n_blocks - 1)
+        dev = self.device
+        blocks = block_table[req_of_token.to(dev), block_idx.to(dev)].to(torch.int64)
+        slot_mapping = blocks * self.block_size + (positions % self.block_size).to(dev)
+        slot_mapping = slot_mapping.masked_fill(too_far.to(dev), PADDING_SLOT_ID)
+
+        cad = self.cad.replace(
+            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens.to(device=dev, dtype=self.cad.seq_lens.dtype),
+            seq_lens_cpu_upper_bound=seq_lens.to(torch.int32),
+            num_reqs=rows,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
+            positions=None,
+            is_prefilling=None,
+            dcp_local_seq_lens=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(cad, draft_index=j)
+        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = (
+            p._determine_batch_execution_and_padding(num_tokens)
+        )
+        p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
+        p.positions[:num_tokens] = positions.to(dev)
+        if p.supports_mm_inputs:
+            p.inputs_embeds[:num_tokens] = p.model.embed_input_ids(p.input_ids[:num_tokens])
+            input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
+        else:
+            input_ids, inputs_embeds = p.input_ids[:num_input_tokens], None
+        if p.eplb_state is not None:
+            p.eplb_state.prepare_forward(p.draft_model_config, num_tokens)
+        with set_forward_context(
+            per_layer_attn_metadata,
+            p.vllm_config,
+            num_tokens=num_input_tokens,
+            num_tokens_across_dp=num_tokens_across_dp,
+            cudagraph_runtime_mode=cudagraph_runtime_mode,
+            slot_mapping=p._get_slot_mapping(num_input_tokens, slot_mapping),
+        ):
+            hidden_states = p.model(
+                input_ids=input_ids,
+                positions=p._get_positions(num_input_tokens),
+                inputs_embeds=inputs_embeds,
+            )
+        last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
+        return p.model.compute_logits(hidden_states[last])

@@ -1,0 +1,193 @@
+"""The patches vllm-specx applies to vLLM, one named object each (checked on 0.32.0).
+
+Upgrade checklist: for each entry of :data:`ALL_PATCHES`, open ``target`` in the new
+vLLM, confirm ``replaces`` still describes it, run the tests, bump ``verified_on``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, get_args
+
+from vllm_specx.config import SPECX_CONFIG_KEY, SpecxConfigError, translate
+from vllm_specx.glue.patch import VllmPatch, env_flag
+from vllm_specx.methods import METHODS
+
+logger = logging.getLogger("vllm_specx")
+
+
+def vllm_method_names() -> list[str]:
+    """Every method name vLLM's SpeculativeConfig accepts (flattened Literal)."""
+    from vllm.config.speculative import SpeculativeMethod
+
+    names: list[str] = []
+
+    def walk(tp: Any) -> None:
+        for arg in get_args(tp):
+            if isinstance(arg, str):
+                names.append(arg)
+            else:
+                walk(arg)
+
+    walk(SpeculativeMethod)
+    return sorted(set(names))
+
+
+def vllm_speculative_fields() -> set[str]:
+    from vllm.config.speculative import SpeculativeConfig
+
+    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
+
+
+def specx_settings(vllm_config: Any) -> dict[str, Any] | None:
+    """The specx settings carried in a VllmConfig, or None when no specx method is on."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict):
+        return extra.get(SPECX_CONFIG_KEY)
+    return None
+
+
+class SpeculativeConfigTranslation(VllmPatch):
+    name = "speculative_config_translation"
+    target = "vllm.engine.arg_utils:EngineArgs.create_speculative_config"
+    replaces = (
+        "EngineArgs.create_speculative_config, which merges --spec-* flags into the "
+        "speculative-config dict and builds SpeculativeConfig(**dict)"
+    )
+    why = (
+        "SpeculativeConfig.method is a closed Literal and the config forbids unknown keys; "
+        "a specx method is validated here, translated into a vLLM base method, and its "
+        "settings are carried to every worker in additional_config['specx']. vLLM's own "
+        "methods reach the original untouched."
+    )
+
+    def wrap(self, original: Any) -> Any:
+        def create_speculative_config(self_: Any, target_model_config: Any,
+                                      target_parallel_config: Any) -> Any:
+            merged = dict(self_.speculative_config or {})
+            flags = (("--spec-method", "method", self_.spec_method),
+                     ("--spec-model", "model", self_.spec_model),
+                     ("--spec-tokens", "num_speculative_tokens", self_.spec_tokens))
+            for _, key, value in flags:
+                if value is not None and key not in merged:
+                    merged[key] = value
+            if self_.speculative_config is None and all(v is None for *_, v in flags):
+                return original(self_, target_model_config, target_parallel_config)
+
+            from vllm.platforms import current_platform
+
+            from vllm_specx.backends import select_backend
+
+            backend = select_backend()
+            result = translate(
+                merged,
+                vllm_methods=vllm_method_names(),
+                vllm_fields=vllm_speculative_fields(),
+                limits=backend.limits,
+                device=f"{current_platform.device_name} ({backend.name})",
+            )
+            if result is None:  # vLLM's own method: exactly as without the plugin
+                return original(self_, target_model_config, target_parallel_config)
+            for flag, key, value in flags:
+                if value is not None and key in (self_.speculative_config or {}):
+                    raise ValueError(
+                        f"{flag} and --speculative-config['{key}'] are mutually exclusive"
+                    )
+            if env_flag("VLLM_USE_V2_MODEL_RUNNER"):
+                raise SpecxConfigError(
+                    f'speculative_config["method"] = "{result.specx_settings["method"]}" runs '
+                    "on vLLM's V1 model runner only: unset VLLM_USE_V2_MODEL_RUNNER=1."
+                )
+            logger.info("vllm-specx: method %r -> vLLM %r with settings %s",
+                        result.specx_settings["method"],
+                        result.vllm_speculative_config["method"], result.specx_settings)
+            self_.speculative_config = dict(result.vllm_speculative_config)
+            self_.spec_method = self_.spec_model = self_.spec_tokens = None
+            extra = dict(self_.additional_config or {})
+            extra[SPECX_CONFIG_KEY] = result.specx_settings
+            self_.additional_config = extra
+            return original(self_, target_model_config, target_parallel_config)
+
+        return create_speculative_config
+
+
+class SpecMethodChoices(VllmPatch):
+    name = "spec_method_cli_choices"
+    target = "vllm.engine.arg_utils:EngineArgs.add_cli_args"
+    replaces = "EngineArgs.add_cli_args, which gives --spec-method the choices of vLLM's Literal"
+    why = "so that `vllm serve --spec-method mtad` parses; the value is validated later"
+
+    def wrap(self, original: Any) -> Any:
+        def add_cli_args(parser: Any) -> Any:
+            parser = original(parser)
+            for action in parser._actions:
+                if action.dest == "spec_method" and action.choices is not None:
+                    old = list(action.choices)
+                    extra = [m for m in METHODS if m not in old]
+                    # vLLM lists None last (the flag is optional); keep that shape.
+                    action.choices = [c for c in old if c is not None] + extra + (
+                        [None] if None in old else []
+                    )
+            return parser
+
+        return add_cli_args
+
+
+class SpecxOnV1Runner(VllmPatch):
+    name = "specx_selects_v1_runner"
+    target = "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
+    replaces = "VllmConfig._get_v2_model_runner_unsupported_features (the V2 opt-out list)"
+    why = (
+        "specx hooks the V1 runner's drafter and rejection_sampler; adding specx to the "
+        "list makes vLLM itself pick V1 and log why"
+    )
+
+    def wrap(self, original: Any) -> Any:
+        def unsupported(self_: Any) -> list[str]:
+            features = list(original(self_))
+            settings = specx_settings(self_)
+            if settings:
+                features.append(f"vllm-specx speculative method '{settings['method']}'")
+            return features
+
+        return unsupported
+
+
+class RunnerSpecxComponents(VllmPatch):
+    name = "runner_specx_components"
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__"
+    replaces = (
+        "GPUModelRunner.__init__ (also run by CPUModelRunner), which builds self.drafter "
+        "and self.rejection_sampler for the vLLM base method"
+    )
+    why = (
+        "when a specx method is on, the runner must draft with the specx proposer and "
+        "verify with the specx sampler; both are swapped in right after construction, "
+        "before load_model"
+    )
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        def __init__(self_: Any, vllm_config: Any, device: Any, *args: Any, **kw: Any) -> None:
+            original(self_, vllm_config, device, *args, **kw)
+            settings = specx_settings(vllm_config)
+            if settings:
+                from vllm_specx.glue.runner import install_specx_components
+
+                install_specx_components(self_, settings)
+
+        return __init__
+
+
+ALL_PATCHES: tuple[VllmPatch, ...] = (
+    SpeculativeConfigTranslation(),
+    SpecMethodChoices(),
+    SpecxOnV1Runner(),
+    RunnerSpecxComponents(),
+)
+
+
+def apply_all() -> None:
+    for patch in ALL_PATCHES:
+        patch.apply()

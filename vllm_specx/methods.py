@@ -1,0 +1,226 @@
+"""The speculative methods vllm-specx adds, and their knobs: the user interface.
+
+Pure Python (no vLLM, no torch): the single source for names, defaults, allowed
+values and help text. Config validation, the README defaults table and
+``vllm-specx methods`` are all generated from this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One user-facing setting of a specx method."""
+
+    name: str
+    kind: str  # "int", "float", "bool", "str"
+    default: Any
+    allowed: str  # human text, used verbatim in error messages
+    help: str
+    check: Callable[[Any], bool] | None = None
+    # Knobs only meaningful when another knob has a value (e.g. mtp's stop rule needs
+    # ``adaptive: true``): (knob name, required value).
+    requires: tuple[str, Any] | None = None
+
+    def type_ok(self, value: Any) -> bool:
+        # bool is a subclass of int in Python: `true` must not pass as a count.
+        if self.kind == "int":
+            return isinstance(value, int) and not isinstance(value, bool)
+        if self.kind == "float":
+            return (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(float(value))
+            )
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "str":
+            return isinstance(value, str) and value != ""
+        raise AssertionError(f"unknown knob kind {self.kind}")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A specx method: what it translates to in vLLM and which knobs it takes."""
+
+    name: str
+    vllm_method: str  # the vLLM base method the engine is configured with
+    summary: str
+    lossless: bool
+    needs_draft_model: bool
+    default_num_speculative_tokens: int | None
+    knobs: tuple[Knob, ...] = field(default_factory=tuple)
+    # False until the method's proposer ships: selecting it fails at start with a
+    # "not available yet in this version" error instead of silently falling back.
+    available: bool = False
+
+    def knob(self, name: str) -> Knob | None:
+        return next((k for k in self.knobs if k.name == name), None)
+
+
+def _int_at_least(lo: int) -> Callable[[Any], bool]:
+    return lambda v: v >= lo
+
+
+def _open_unit(v: float) -> bool:
+    return 0.0 < v < 1.0
+
+
+def _half_open_unit(v: float) -> bool:
+    return 0.0 < v <= 1.0
+
+
+NUM_BEAMS = Knob(
+    "num_beams", "int", 4, "an integer >= 1",
+    "beam width B of the draft beam search (B = 1 is greedy/sampled chain drafting)",
+    _int_at_least(1),
+)
+ACCEPTANCE_THRESHOLD = Knob(
+    "acceptance_threshold", "float", 0.1, "a number in (0, 1]",
+    "MTAD's tau: depth i is accepted when the joint target/draft likelihood ratio of the "
+    "first i tokens exceeds tau; smaller accepts more, 1 approaches plain sampling",
+    _half_open_unit,
+)
+MIN_SPECULATIVE_TOKENS = Knob(
+    "min_speculative_tokens", "int", 1, "an integer >= 1 and <= num_speculative_tokens",
+    "never stop a draft before this many tokens",
+    _int_at_least(1),
+)
+STOP_THRESHOLD = Knob(
+    "stop_threshold", "float", 0.7, "a number in (0, 1)",
+    "SpecDec++'s h: stop drafting once the predicted probability that some draft token "
+    "so far is rejected exceeds h",
+    _open_unit,
+)
+ACCEPTANCE_HEAD = Knob(
+    "acceptance_head", "str", None, "a local directory or a hub id",
+    "trained acceptance-prediction head; without it the training-free confidence policy "
+    "is used",
+)
+CONFIDENCE_THRESHOLD = Knob(
+    "confidence_threshold", "float", 0.5, "a number in (0, 1)",
+    "training-free policy: stop when the draft's own probability of its token falls "
+    "under this",
+    _open_unit,
+)
+MTP_ADAPTIVE = Knob(
+    "adaptive", "bool", False, "true or false",
+    "stop MTP drafting per request with the adaptive stop rule",
+)
+
+
+def _requires_adaptive(knob: Knob) -> Knob:
+    # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true`.
+    return Knob(
+        knob.name, knob.kind, knob.default, knob.allowed, knob.help, knob.check,
+        requires=("adaptive", True),
+    )
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec(
+            name="mtad",
+            vllm_method="draft_model",
+            summary="beam-search drafting with a small model, verified by joint likelihood "
+            "(MTAD); not distribution-preserving by design",
+            lossless=False,
+            needs_draft_model=True,
+            default_num_speculative_tokens=4,
+            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD),
+        ),
+        MethodSpec(
+            name="adaptive",
+            vllm_method="draft_model",
+            summary="draft model that stops each request's draft early when a rejection is "
+            "predicted (SpecDec++), verified by standard rejection sampling",
+            lossless=True,
+            needs_draft_model=True,
+            default_num_speculative_tokens=8,
+            knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD),
+        ),
+        MethodSpec(
+            name="specx_mtp",
+            vllm_method="mtp",
+            summary="the target's own multi-token-prediction layers, verified by the specx "
+            "sampler, optionally with the adaptive stop",
+            lossless=True,
+            needs_draft_model=False,
+            default_num_speculative_tokens=None,  # vLLM reads it from the MTP config
+            knobs=(
+                MTP_ADAPTIVE,
+                *(_requires_adaptive(k) for k in (
+                    MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
+                )),
+            ),
+        ),
+    )
+}
+
+# vLLM's own `mtp` keeps its name and meaning. The specx MTP method is `specx_mtp`;
+# `{"method": "mtp", "adaptive": ...}` (vLLM's name plus a knob only specx has) is
+# read as `specx_mtp` too, because without the plugin that dict would be an error.
+MTP_ALIAS_TRIGGERS = frozenset(k.name for k in METHODS["specx_mtp"].knobs)
+
+COMMON_KNOBS: tuple[str, ...] = ("method", "model", "num_speculative_tokens")
+
+# vLLM SpeculativeConfig fields a specx method passes through unchanged.
+PASSTHROUGH_VLLM_KEYS: frozenset[str] = frozenset(
+    {
+        "draft_tensor_parallel_size",
+        "quantization",
+        "max_model_len",
+        "revision",
+        "code_revision",
+        "use_heterogeneous_vocab",
+        "draft_load_config",
+        "enforce_eager",
+    }
+)
+
+# vLLM keys that do something a specx method replaces: refused with the reason.
+CONFLICTING_VLLM_KEYS: dict[str, str] = {
+    "rejection_sample_method": "specx methods verify with the specx sampler",
+    "draft_sample_method": "specx methods sample drafts with their own rule",
+    "synthetic_acceptance_rates": "specx methods verify with the specx sampler",
+    "prompt_lookup_max": "it belongs to vLLM's ngram method",
+    "prompt_lookup_min": "it belongs to vLLM's ngram method",
+    "parallel_drafting": "specx drafters draft sequentially",
+}
+
+
+def knob_owners(name: str) -> list[str]:
+    """Which specx methods take a knob (for "belongs to another method" errors)."""
+    return [m.name for m in METHODS.values() if m.knob(name) is not None]
+
+
+def defaults_table_markdown() -> str:
+    """The README's defaults table, generated so it can never drift from the code."""
+    rows = [
+        "| method | knob | default | allowed | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for spec in METHODS.values():
+        k_default = spec.default_num_speculative_tokens
+        rows.append(
+            f"| `{spec.name}` | `num_speculative_tokens` | "
+            f"{k_default if k_default is not None else 'from the MTP config'} | "
+            "an integer >= 1 | draft length K (the maximum, for adaptive stops) |"
+        )
+        if spec.needs_draft_model:
+            rows.append(
+                f"| `{spec.name}` | `model` | required | a local directory or hub id | "
+                "the draft model |"
+            )
+        for knob in spec.knobs:
+            default = "none" if knob.default is None else str(knob.default).lower()
+            rows.append(
+                f"| `{spec.name}` | `{knob.name}` | {default} | {knob.allowed} | {knob.help} |"
+            )
+    return "\n".join(rows)
