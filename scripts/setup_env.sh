@@ -10,10 +10,15 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-VLLM_PIN="vllm==0.32.0"
-TORCH_PIN="torch==2.13.0"
+# Overridable so CI can also test against vLLM nightly (see .github/workflows/tests.yml).
+VLLM_PIN="${VLLM_SPECX_VLLM_REQ:-vllm==0.32.0}"
+TORCH_PIN="${VLLM_SPECX_TORCH_REQ-torch==2.13.0}"
+read -r -a EXTRA_PIP <<< "${VLLM_SPECX_PIP_ARGS:-}"
 
-stamp_inputs() { cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh"; }
+stamp_inputs() {
+  cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh"
+  echo "$VLLM_PIN $TORCH_PIN ${EXTRA_PIP[*]:-}"
+}
 STAMP="$VENV/.specx-setup-$(stamp_inputs | sha256sum | cut -c1-16)"
 
 if [ -f "$STAMP" ]; then
@@ -22,17 +27,17 @@ fi
 
 echo "[setup] creating $VENV (one-time; later runs reuse it)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${EXTRA_PIP[@]+"${EXTRA_PIP[@]}"})
 
 if command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" "$VLLM_PIN"
 else
   # Install torch first so vLLM's pin is satisfied by the CPU build.
-  "${PIP[@]}" "$TORCH_PIN"
-  "${PIP[@]}" "$VLLM_PIN" "$TORCH_PIN"
+  if [ -n "$TORCH_PIN" ]; then "${PIP[@]}" "$TORCH_PIN"; fi
+  "${PIP[@]}" "$VLLM_PIN" ${TORCH_PIN:+"$TORCH_PIN"}
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"${PIP[@]}" -e "$ROOT[test,bench]" "$TORCH_PIN"
+"${PIP[@]}" -e "$ROOT[test,bench]" ${TORCH_PIN:+"$TORCH_PIN"}
 "$VENV/bin/python" -c "import vllm, vllm_specx; print('[setup] vllm', vllm.__version__, 'vllm-specx', vllm_specx.__version__)" >&2
 rm -f "$VENV"/.specx-setup-*
 touch "$STAMP"

@@ -1,0 +1,1009 @@
+#!/usr/bin/env python3
+"""Build the small target/draft model pair that vllm-specx uses as a realistic fixture.
+
+Random-weight models never agree with each other, so speculative decoding measured on them
+says nothing. No model hub is reachable from CI, so this script trains a tiny but real pair
+from text that every Python install carries: the standard library's own source files (code,
+comments, docstrings), read at build time from ``sysconfig.get_paths()["stdlib"]``.
+
+Pipeline (each step is a ``--stage``; later stages read what earlier ones left behind):
+
+``tokenizer``
+    List the stdlib ``*.py`` files (sorted; tests, codec tables and generated files left out),
+    split them into train and held-out by a hash of the relative path (about 1 in 20 held out),
+    train a byte-level BPE tokenizer (``tokenizers``) on the train files, tokenize both splits
+    into the work dir, and write ``heldout_prompts.jsonl`` (short snippets starting at a
+    ``def``/``class`` line of held-out files, so later users do not depend on their own Python).
+``target``
+    Train ``LlamaForCausalLM`` (4 layers, hidden 256, GQA 4/2 heads of 64) from scratch on
+    random 256-token windows of the train stream.
+``distill``
+    Self-distillation data as in seed 004, in miniature: the target continues the same train
+    prompts at temperatures 0, 0.3, 0.7 and 1.0 (pure temperature sampling, no top-k/top-p).
+``draft``
+    Pretrain a 2-layer, hidden-128 Llama draft briefly on raw text, then finetune it on the
+    distilled continuations (loss on the generated tokens only).
+``report``
+    Reload both saved directories as a user would and write ``REPORT.json``: held-out
+    perplexities, greedy per-token agreement of the pair on target greedy continuations of the
+    stored held-out prompts (and how it varies across tokens), greedy block efficiency for a
+    few draft lengths, parameter counts, sizes, stage times, seeds and versions.
+
+Outputs (``--out``, default ``fixtures/models``): ``target/`` and ``draft/`` (config.json,
+generation_config.json, model.safetensors in float32 with tied embeddings, tokenizer.json,
+tokenizer_config.json, special_tokens_map.json), ``heldout_prompts.jsonl`` and
+``REPORT.json``. Intermediate files (token streams, distilled data, the pretrained draft)
+live in ``--work-dir`` (default ``.cache/fixture_build``, git-ignored).
+
+Runtime: the full build is about 15-20 minutes of wall time on 2 CPU cores with
+``torch.set_num_threads(2)`` (tokenizer ~1 min, target ~9 min, distill ~2 min, draft ~4 min,
+report ~1 min) and more when the cores are shared; the measured times of the last build are
+in ``REPORT.json``. ``--quick`` trains a toy pair for a few steps (well under a minute) and is
+meant for smoke tests into a temporary ``--out``.
+
+Determinism: every random choice comes from a fixed seed (``--seed``, default 1234): file split
+and snippet choice hash the relative path, batches and sampling use seeded
+``torch.Generator`` objects. Re-running on the same machine, torch version, thread count and
+Python stdlib gives the same weights; other CPUs may differ in the last bits of float32 math.
+
+Usage::
+
+    .venv/bin/python scripts/build_fixture_models.py                 # everything
+    .venv/bin/python scripts/build_fixture_models.py --stage draft --stage report
+    .venv/bin/python scripts/build_fixture_models.py --quick --out /tmp/fx
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+# The tokenizers library trains with a Rayon pool sized to all cores; the build shares a small
+# machine, so cap it before the library is imported.
+os.environ.setdefault("RAYON_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("tokenizer", "target", "distill", "draft", "report")
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# Directory names anywhere in a path that mark test suites; their text is mostly assertions on
+# odd inputs and would dominate the corpus.
+EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+# Top-level entries that are generated tables or data rather than written Python.
+EXCLUDED_TOP = {"encodings", "pydoc_data", "__phello__", "turtledemo", "ensurepip"}
+EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """Every knob of a build; written into REPORT.json so a result can be traced to its recipe."""
+
+    seed: int = 1234
+    vocab_size: int = 4096
+    max_file_bytes: int = 300_000
+    heldout_every: int = 20  # a file is held out when hash(relpath) % heldout_every == 0
+    max_train_files: int = 0  # 0: all eligible files
+    n_prompts: int = 64  # stored held-out prompts
+    prompts_per_file: int = 3
+    prompt_min_chars: int = 160
+    eval_text_chars: int = 1000
+    seq_len: int = 256
+    max_position_embeddings: int = 1024
+    target: ModelShape = ModelShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768)
+    draft: ModelShape = ModelShape(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384)
+    target_steps: int = 550
+    target_batch: int = 16
+    target_lr: float = 2e-3
+    draft_pretrain_steps: int = 250
+    draft_pretrain_batch: int = 16
+    draft_pretrain_lr: float = 3e-3
+    distill_prompts: int = 512  # per temperature; the same prompts at every temperature
+    distill_prompt_len: int = 32  # tokens, bos included
+    distill_new_tokens: int = 96
+    distill_batch: int = 128
+    distill_temperatures: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
+    draft_finetune_steps: int = 600
+    draft_finetune_batch: int = 32
+    draft_finetune_lr: float = 1.5e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.05
+    eval_windows: int = 128  # held-out windows of seq_len tokens for the perplexity
+    agree_new_tokens: int = 64  # target greedy continuation length per held-out prompt
+    log_every: int = 25
+
+
+QUICK = BuildConfig(
+    vocab_size=400,
+    max_train_files=40,
+    heldout_every=10,
+    n_prompts=6,
+    eval_text_chars=400,
+    seq_len=64,
+    max_position_embeddings=256,
+    target=ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128),
+    draft=ModelShape(hidden=32, layers=1, heads=1, kv_heads=1, intermediate=64),
+    target_steps=12,
+    target_batch=8,
+    draft_pretrain_steps=6,
+    draft_pretrain_batch=8,
+    distill_prompts=8,
+    distill_prompt_len=12,
+    distill_new_tokens=12,
+    distill_batch=8,
+    draft_finetune_steps=8,
+    draft_finetune_batch=8,
+    eval_windows=8,
+    agree_new_tokens=12,
+    log_every=4,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def path_hash(seed: int, rel: str) -> int:
+    # A content-free hash of the path, so the split does not move when a Python patch
+    # release edits a file, and does not depend on PYTHONHASHSEED.
+    return int(hashlib.sha256(f"{seed}:{rel}".encode()).hexdigest()[:12], 16)
+
+
+# --------------------------------------------------------------------------------------------
+# Paths and the REPORT.json read-modify-write (each stage records what it did there).
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Paths:
+    out: Path
+    work: Path
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.work / "tokenizer"
+
+    @property
+    def target(self) -> Path:
+        return self.out / "target"
+
+    @property
+    def draft(self) -> Path:
+        return self.out / "draft"
+
+    @property
+    def draft_pretrain(self) -> Path:
+        return self.work / "draft_pretrain"
+
+    @property
+    def report(self) -> Path:
+        return self.out / "REPORT.json"
+
+    @property
+    def prompts(self) -> Path:
+        return self.out / "heldout_prompts.jsonl"
+
+
+def load_report(paths: Paths) -> dict[str, Any]:
+    if paths.report.exists():
+        return json.loads(paths.report.read_text())
+    return {}
+
+
+def update_report(paths: Paths, key: str, value: Any) -> None:
+    report = load_report(paths)
+    report.setdefault("stages", {})[key] = value
+    paths.out.mkdir(parents=True, exist_ok=True)
+    paths.report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 1: corpus, tokenizer, token streams, held-out prompts.
+# --------------------------------------------------------------------------------------------
+
+
+def list_corpus(cfg: BuildConfig) -> tuple[Path, list[str], list[str]]:
+    """Return the stdlib root and the sorted train / held-out relative paths."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    eligible: list[str] = []
+    for p in sorted(stdlib.rglob("*.py")):
+        rel = p.relative_to(stdlib).as_posix()
+        parts = rel.split("/")
+        if EXCLUDED_PARTS.intersection(parts[:-1]) or parts[0] in EXCLUDED_TOP:
+            continue
+        if parts[0].startswith(EXCLUDED_PREFIXES):
+            continue
+        size = p.stat().st_size
+        if size < 200 or size > cfg.max_file_bytes:
+            continue
+        eligible.append(rel)
+    train = [r for r in eligible if path_hash(cfg.seed, r) % cfg.heldout_every != 0]
+    heldout = [r for r in eligible if path_hash(cfg.seed, r) % cfg.heldout_every == 0]
+    if cfg.max_train_files:
+        # An evenly spread subset, not the alphabetical head, so quick runs still see variety.
+        step = max(1, len(train) // cfg.max_train_files)
+        train = train[::step][: cfg.max_train_files]
+        heldout = heldout[: max(cfg.n_prompts, 4)]
+    return stdlib, train, heldout
+
+
+def read_text(stdlib: Path, rel: str) -> str | None:
+    try:
+        return (stdlib / rel).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None  # a handful of files declare other encodings; not worth the special case
+
+
+def make_prompt_records(cfg: BuildConfig, rel: str, text: str) -> list[dict[str, Any]]:
+    """Snippets starting at def/class lines: a prompt of whole lines plus a longer text.
+
+    Up to ``prompts_per_file`` per file, in a seeded order, from starts at least
+    ``eval_text_chars`` apart so no two snippets share text.
+    """
+    lines = text.splitlines(keepends=True)
+    offsets, pos = [], 0
+    for line in lines:
+        offsets.append(pos)
+        pos += len(line)
+    starts = [
+        i
+        for i, line in enumerate(lines)
+        if line.lstrip(" ").startswith(("def ", "class ", "async def "))
+        and len(line) - len(line.lstrip(" ")) <= 4
+    ]
+    random.Random(f"{cfg.seed}:{rel}").shuffle(starts)
+    records: list[dict[str, Any]] = []
+    chosen: list[int] = []
+    for i in starts:
+        if len(records) == cfg.prompts_per_file:
+            break
+        if any(abs(offsets[i] - offsets[c]) < cfg.eval_text_chars for c in chosen):
+            continue
+        prompt, j = "", i
+        while j < len(lines) and len(prompt) < cfg.prompt_min_chars:
+            prompt += lines[j]
+            j += 1
+        body = prompt
+        while j < len(lines) and len(body) + len(lines[j]) <= cfg.eval_text_chars:
+            body += lines[j]
+            j += 1
+        if len(prompt) < cfg.prompt_min_chars // 2:
+            continue
+        chosen.append(i)
+        records.append({"source": f"stdlib:{rel}", "line": i + 1, "prompt": prompt, "text": body})
+    return records
+
+
+def build_tokenizer(cfg: BuildConfig, texts: list[str], out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        special_tokens=[BOS, EOS, PAD],  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Llama convention: encoding a text starts with bos; vLLM and transformers both honour a
+    # post-processor stored in tokenizer.json.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    # Written by hand rather than by save_pretrained: transformers 5 would name its own
+    # backend class, which older transformers cannot load. clean_up_tokenization_spaces must be
+    # off, or decoding would rewrite code such as "f( x )".
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": cfg.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "add_prefix_space": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def encode_docs(tok_dir: Path, texts: list[str]) -> torch.Tensor:
+    """One stream: bos + tokens + eos per file, files in sorted order."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.append(bos)
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def stage_tokenizer(cfg: BuildConfig, paths: Paths) -> None:
+    t0 = time.time()
+    stdlib, train_rel, heldout_rel = list_corpus(cfg)
+    train_texts = [t for r in train_rel if (t := read_text(stdlib, r)) is not None]
+    heldout_pairs = [(r, t) for r in heldout_rel if (t := read_text(stdlib, r)) is not None]
+    log(f"corpus: {stdlib} train files {len(train_texts)}, held-out files {len(heldout_pairs)}")
+    corpus_hash = hashlib.sha256()
+    for text in train_texts:
+        corpus_hash.update(text.encode())
+    build_tokenizer(cfg, train_texts, paths.tokenizer)
+    train_ids = encode_docs(paths.tokenizer, train_texts)
+    heldout_ids = encode_docs(paths.tokenizer, [t for _, t in heldout_pairs])
+    paths.work.mkdir(parents=True, exist_ok=True)
+    torch.save(train_ids, paths.work / "train_ids.pt")
+    torch.save(heldout_ids, paths.work / "heldout_ids.pt")
+
+    # Round-robin over the held-out files (first snippet of every file, then the second...),
+    # so that the first n prompts come from n different files.
+    per_file = [make_prompt_records(cfg, rel, text) for rel, text in heldout_pairs]
+    records = [recs[k] for k in range(cfg.prompts_per_file) for recs in per_file if k < len(recs)][
+        : cfg.n_prompts
+    ]
+    paths.out.mkdir(parents=True, exist_ok=True)
+    with open(paths.prompts, "w", encoding="utf-8") as f:
+        for i, rec in enumerate(records):
+            f.write(json.dumps({"id": i, **rec}, ensure_ascii=False) + "\n")
+    train_chars = sum(len(t) for t in train_texts)
+    info = {
+        "seconds": round(time.time() - t0, 1),
+        "stdlib": str(stdlib),
+        "python_version": platform.python_version(),
+        "train_files": len(train_texts),
+        "heldout_files": len(heldout_pairs),
+        "train_chars": train_chars,
+        "train_tokens": int(train_ids.numel()),
+        "heldout_tokens": int(heldout_ids.numel()),
+        "chars_per_token": round(train_chars / max(1, train_ids.numel()), 3),
+        "train_corpus_sha256": corpus_hash.hexdigest(),
+        "tokenizer_sha256": sha256_file(paths.tokenizer / "tokenizer.json"),
+        "heldout_prompts": len(records),
+    }
+    log(f"tokenizer: {json.dumps(info)}")
+    update_report(paths, "tokenizer", info)
+
+
+# --------------------------------------------------------------------------------------------
+# Models and the shared training loop.
+# --------------------------------------------------------------------------------------------
+
+
+def llama_config(cfg: BuildConfig, shape: ModelShape) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        # Tied input/output embeddings keep the pair small (the embedding is most of a tiny
+        # model); vLLM's Llama honours the flag.
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        initializer_range=0.02,
+        torch_dtype="float32",
+    )
+
+
+def new_model(cfg: BuildConfig, shape: ModelShape, seed: int) -> Any:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(cfg, shape))
+    model.config._attn_implementation = "sdpa"
+    return model.float()
+
+
+def load_model(path: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return model
+
+
+def save_model(model: Any, out_dir: Path, tok_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Only token ids, no sampling defaults: vLLM applies generation_config.json defaults to
+    # every request, and tests must see plain temperature/top-k/top-p behaviour.
+    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tok_dir / name, out_dir / name)
+
+
+def param_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights are counted once
+
+
+def train_loop(
+    model: Any,
+    next_batch: Any,
+    steps: int,
+    lr: float,
+    cfg: BuildConfig,
+    label: str,
+) -> dict[str, Any]:
+    """AdamW with linear warm-up and cosine decay to 10% of the peak rate."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norm gains
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, int(cfg.warmup_frac * steps))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    model.train()
+    t0 = time.time()
+    tokens, ema, losses = 0, None, []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        input_ids, labels = next_batch(step)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = float(loss.detach())
+        losses.append(value)
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        tokens += int((labels != -100).sum())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
+            dt = time.time() - t0
+            log(
+                f"{label} step {step + 1}/{steps} loss {value:.3f} (ema {ema:.3f}) "
+                f"lr {lr_at(step):.2e} {tokens / dt:.0f} tok/s {dt:.0f}s"
+            )
+    model.eval()
+    tail = losses[-max(1, steps // 10) :]
+    return {
+        "steps": steps,
+        "peak_lr": lr,
+        "trained_tokens": tokens,
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def window_sampler(stream: torch.Tensor, seq_len: int, batch: int, seed: int) -> Any:
+    """Random seq_len windows of the token stream; windows may start mid-file, as in eval."""
+    gen = torch.Generator().manual_seed(seed)
+    stream = stream.long()
+
+    def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, stream.numel() - seq_len, (batch,), generator=gen)
+        x = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+        return x, x
+
+    return next_batch
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 2: target.
+# --------------------------------------------------------------------------------------------
+
+
+def stage_target(cfg: BuildConfig, paths: Paths) -> None:
+    train_ids = torch.load(paths.work / "train_ids.pt")
+    model = new_model(cfg, cfg.target, cfg.seed + 1)
+    log(f"target: {param_count(model):,} parameters, {cfg.target}")
+    sampler = window_sampler(train_ids, cfg.seq_len, cfg.target_batch, cfg.seed + 2)
+    info = train_loop(model, sampler, cfg.target_steps, cfg.target_lr, cfg, "target")
+    save_model(model, paths.target, paths.tokenizer)
+    info.update(params=param_count(model), batch=cfg.target_batch, seq_len=cfg.seq_len)
+    update_report(paths, "target", info)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 3: self-distillation data.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    temperature: float,
+    gen: torch.Generator | None,
+    eos_id: int = 1,
+) -> torch.Tensor:
+    """Continue equal-length prompts with a KV cache; temperature 0 is argmax.
+
+    A hand-written loop instead of ``model.generate`` so that nothing (top-k defaults,
+    repetition penalties) changes the distribution being distilled. Rows that produced eos are
+    padded with eos afterwards; callers mask those positions.
+    """
+    out = model(input_ids=prompts, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1, :]
+    done = torch.zeros(prompts.shape[0], dtype=torch.bool)
+    result = []
+    for _ in range(new_tokens):
+        if temperature == 0.0:
+            nxt = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+        done |= nxt == eos_id
+        result.append(nxt)
+        if bool(done.all()):
+            break
+        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+    cont = torch.stack(result, dim=1)
+    if cont.shape[1] < new_tokens:
+        pad = torch.full((cont.shape[0], new_tokens - cont.shape[1]), eos_id, dtype=cont.dtype)
+        cont = torch.cat([cont, pad], dim=1)
+    return cont
+
+
+def distill_prompts(cfg: BuildConfig, train_ids: torch.Tensor) -> torch.Tensor:
+    """bos + (prompt_len - 1) train tokens from random offsets of the train stream.
+
+    Equal lengths let one batch share a KV cache without padding or position bookkeeping.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed + 3)
+    body = cfg.distill_prompt_len - 1
+    starts = torch.randint(1, train_ids.numel() - body - 1, (cfg.distill_prompts,), generator=gen)
+    bos = torch.zeros(1, dtype=torch.long)
+    return torch.stack([torch.cat([bos, train_ids[s : s + body].long()]) for s in starts.tolist()])
+
+
+def stage_distill(cfg: BuildConfig, paths: Paths) -> None:
+    t0 = time.time()
+    train_ids = torch.load(paths.work / "train_ids.pt")
+    model = load_model(paths.target)
+    prompts = distill_prompts(cfg, train_ids)
+    seqs, masks, per_temp = [], [], {}
+    for ti, temp in enumerate(cfg.distill_temperatures):
+        gen = torch.Generator().manual_seed(cfg.seed + 100 + ti)
+        t1 = time.time()
+        for b in range(0, prompts.shape[0], cfg.distill_batch):
+            p = prompts[b : b + cfg.distill_batch]
+            cont = generate(model, p, cfg.distill_new_tokens, temp, gen)
+            # Loss on the generated tokens up to and including the first eos.
+            is_eos = cont == 1
+            after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+            mask = torch.cat([torch.zeros_like(p, dtype=torch.bool), ~after_eos], dim=1)
+            seqs.append(torch.cat([p, cont], dim=1))
+            masks.append(mask)
+        per_temp[str(temp)] = round(time.time() - t1, 1)
+        log(f"distill: temperature {temp} done in {per_temp[str(temp)]}s")
+    data = {"input_ids": torch.cat(seqs).to(torch.int32), "loss_mask": torch.cat(masks)}
+    torch.save(data, paths.work / "distill.pt")
+    info = {
+        "seconds": round(time.time() - t0, 1),
+        "temperatures": list(cfg.distill_temperatures),
+        "prompts_per_temperature": cfg.distill_prompts,
+        "prompt_tokens": cfg.distill_prompt_len,
+        "new_tokens": cfg.distill_new_tokens,
+        "sequences": int(data["input_ids"].shape[0]),
+        "supervised_tokens": int(data["loss_mask"].sum()),
+        "seconds_per_temperature": per_temp,
+    }
+    log(f"distill: {json.dumps(info)}")
+    update_report(paths, "distill", info)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 4: draft (pretrain on raw text, finetune on the distilled continuations).
+# --------------------------------------------------------------------------------------------
+
+
+def distill_sampler(data: dict[str, torch.Tensor], batch: int, seed: int) -> Any:
+    """Shuffled epochs over the distilled sequences; prompt tokens carry no loss."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, mask = data["input_ids"].long(), data["loss_mask"]
+    labels = torch.where(mask, ids, torch.full_like(ids, -100))
+    order: list[int] = []
+
+    def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal order
+        if len(order) < batch:
+            order = order + torch.randperm(ids.shape[0], generator=gen).tolist()
+        take, order = order[:batch], order[batch:]
+        return ids[take], labels[take]
+
+    return next_batch
+
+
+def stage_draft(cfg: BuildConfig, paths: Paths, reuse_pretrain: bool) -> None:
+    t0 = time.time()
+    if reuse_pretrain and (paths.draft_pretrain / "config.json").exists():
+        log(f"draft: reusing pretrained draft in {paths.draft_pretrain}")
+        model = load_model(paths.draft_pretrain)
+        pre_info = load_report(paths).get("stages", {}).get("draft", {}).get("pretrain", {})
+    else:
+        train_ids = torch.load(paths.work / "train_ids.pt")
+        model = new_model(cfg, cfg.draft, cfg.seed + 4)
+        log(f"draft: {param_count(model):,} parameters, {cfg.draft}")
+        sampler = window_sampler(train_ids, cfg.seq_len, cfg.draft_pretrain_batch, cfg.seed + 5)
+        pre_info = train_loop(
+            model, sampler, cfg.draft_pretrain_steps, cfg.draft_pretrain_lr, cfg, "draft-pretrain"
+        )
+        save_model(model, paths.draft_pretrain, paths.tokenizer)
+    data = torch.load(paths.work / "distill.pt")
+    sampler = distill_sampler(data, cfg.draft_finetune_batch, cfg.seed + 6)
+    ft_info = train_loop(
+        model, sampler, cfg.draft_finetune_steps, cfg.draft_finetune_lr, cfg, "draft-finetune"
+    )
+    save_model(model, paths.draft, paths.tokenizer)
+    info = {
+        "params": param_count(model),
+        "pretrain": pre_info,
+        "finetune": ft_info,
+        "seconds": round(time.time() - t0, 1),
+    }
+    update_report(paths, "draft", info)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 5: report.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def window_perplexity(model: Any, stream: torch.Tensor, seq_len: int, n_windows: int) -> float:
+    """Perplexity over the first n non-overlapping seq_len windows of the held-out stream."""
+    n = min(n_windows, stream.numel() // seq_len)
+    x = stream[: n * seq_len].long().view(n, seq_len)
+    nll, count = 0.0, 0
+    for b in range(0, n, 16):
+        chunk = x[b : b + 16]
+        logits = model(input_ids=chunk).logits[:, :-1].float()
+        nll += float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
+        count += chunk[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def text_perplexity(model: Any, tokenizer: Any, texts: list[str], max_tokens: int) -> float:
+    """Perplexity of the stored snippets' ``text`` (bos + at most max_tokens - 1 tokens each)."""
+    nll, count = 0.0, 0
+    for text in texts:
+        ids = torch.tensor([tokenizer(text)["input_ids"][:max_tokens]])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        count += ids.shape[1] - 1
+    return math.exp(nll / count)
+
+
+def block_efficiency(matches: list[bool], k: int) -> float:
+    """Tokens per target forward for greedy speculative decoding with k drafts per round.
+
+    ``matches[t]`` says whether the draft's greedy token equals the target's at position t of
+    the target's greedy continuation given the exact prefix; along an accepted prefix the draft
+    sees exactly that prefix, so the teacher-forced match array decides each round.
+    """
+    t, rounds = 0, 0
+    while t < len(matches):
+        a = 0
+        while a < k and t + a < len(matches) and matches[t + a]:
+            a += 1
+        t += a + 1  # accepted drafts plus the target's own token (correction or bonus)
+        rounds += 1
+    return len(matches) / max(1, rounds)
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return {
+        "mean": round(float(t.mean()), 4),
+        "std": round(float(t.std(unbiased=False)), 4),
+        "min": round(float(t.min()), 4),
+        "max": round(float(t.max()), 4),
+    }
+
+
+@torch.no_grad()
+def agreement_stats(
+    target: Any, draft: Any, tokenizer: Any, prompts: list[str], new_tokens: int
+) -> dict[str, Any]:
+    per_prompt, all_match, by_offset, conf, tv_accept = [], [], {}, [], []
+    matches_per_prompt: list[list[bool]] = []
+    tf_mismatch = 0
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        cont = generate(target, ids, new_tokens, 0.0, None)[0]
+        # Keep the continuation up to its first eos (inclusive): what a user would see.
+        eos_pos = (cont == 1).nonzero()
+        if eos_pos.numel():
+            cont = cont[: int(eos_pos[0]) + 1]
+        full = torch.cat([ids[0], cont])[None]
+        span = slice(ids.shape[1] - 1, full.shape[1] - 1)  # positions predicting cont
+        t_logits = target(input_ids=full).logits[0, span].float()
+        d_logits = draft(input_ids=full).logits[0, span].float()
+        t_greedy, d_greedy = t_logits.argmax(-1), d_logits.argmax(-1)
+        tf_mismatch += int((t_greedy != cont).sum())
+        match = (d_greedy == t_greedy).tolist()
+        matches_per_prompt.append(match)
+        per_prompt.append(sum(match) / len(match))
+        all_match.extend(match)
+        for off, m in enumerate(match):
+            by_offset.setdefault(off, []).append(m)
+        p_t, p_d = torch.softmax(t_logits, -1), torch.softmax(d_logits, -1)
+        conf.extend(zip(p_t.max(-1).values.tolist(), match))
+        # sum_x min(p, q): chance that standard speculative sampling at temperature 1 accepts.
+        tv_accept.extend(torch.minimum(p_t, p_d).sum(-1).tolist())
+    mean = sum(all_match) / len(all_match)
+    offsets = sorted(by_offset)
+    offset_curve = [sum(by_offset[o]) / len(by_offset[o]) for o in offsets]
+    hist = [0] * 10
+    for a in per_prompt:
+        hist[min(9, int(a * 10))] += 1
+    conf_buckets = {}
+    for lo, hi in ((0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.01)):
+        sel = [m for c, m in conf if lo <= c < hi]
+        conf_buckets[f"{lo:.2f}-{min(hi, 1.0):.2f}"] = {
+            "positions": len(sel),
+            "agreement": round(sum(sel) / len(sel), 4) if sel else None,
+        }
+    # Lengths of runs of consecutive agreements: what speculative decoding actually harvests.
+    runs, cur = [], 0
+    for match in matches_per_prompt:
+        for m in match + [False]:
+            if m:
+                cur += 1
+            else:
+                runs.append(cur)
+                cur = 0
+    return {
+        "prompts": len(prompts),
+        "positions": len(all_match),
+        "greedy_agreement": round(mean, 4),
+        "per_token_std": round(math.sqrt(mean * (1 - mean)), 4),
+        "per_prompt": summarize(per_prompt),
+        "per_prompt_histogram_0_to_1_by_0.1": hist,
+        "by_offset_std": round(float(torch.tensor(offset_curve).std(unbiased=False)), 4),
+        "by_offset_first8_mean": round(sum(offset_curve[:8]) / len(offset_curve[:8]), 4),
+        "by_offset_last8_mean": round(sum(offset_curve[-8:]) / len(offset_curve[-8:]), 4),
+        "by_target_confidence": conf_buckets,
+        "agreement_run_length": summarize([float(r) for r in runs]),
+        "expected_accept_prob_t1": round(sum(tv_accept) / len(tv_accept), 4),
+        "greedy_block_efficiency": {
+            f"k={k}": round(
+                sum(block_efficiency(m, k) * len(m) for m in matches_per_prompt)
+                / sum(len(m) for m in matches_per_prompt),
+                4,
+            )
+            for k in (1, 2, 4, 8)
+        },
+        "teacher_forced_target_mismatch": tf_mismatch,
+    }
+
+
+def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
+    import safetensors
+    import tokenizers
+    import transformers
+    from transformers import AutoTokenizer
+
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(paths.target)
+    target, draft = load_model(paths.target), load_model(paths.draft)
+    records = [json.loads(line) for line in paths.prompts.read_text().splitlines() if line]
+    heldout_ids = torch.load(paths.work / "heldout_ids.pt")
+    models: dict[str, Any] = {}
+    for name, model, path in (("target", target, paths.target), ("draft", draft, paths.draft)):
+        weights = path / "model.safetensors"
+        models[name] = {
+            "params": param_count(model),
+            "config": {
+                k: getattr(model.config, k)
+                for k in (
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "intermediate_size",
+                    "vocab_size",
+                    "max_position_embeddings",
+                    "tie_word_embeddings",
+                )
+            },
+            "dtype": "float32",
+            "safetensors_bytes": weights.stat().st_size,
+            "dir_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
+            "safetensors_sha256": sha256_file(weights),
+            "heldout_ppl": round(
+                window_perplexity(model, heldout_ids, cfg.seq_len, cfg.eval_windows), 4
+            ),
+            "heldout_prompt_text_ppl": round(
+                text_perplexity(model, tokenizer, [r["text"] for r in records], cfg.seq_len), 4
+            ),
+        }
+        log(f"report: {name} {json.dumps(models[name])}")
+    agreement = agreement_stats(
+        target, draft, tokenizer, [r["prompt"] for r in records], cfg.agree_new_tokens
+    )
+    log(f"report: agreement {json.dumps(agreement)}")
+    report = load_report(paths)
+    stages = report.get("stages", {})
+    report.update(
+        {
+            "description": (
+                "Tiny Llama target/draft pair trained by scripts/build_fixture_models.py on the "
+                "Python standard library's source text; draft self-distilled from the target."
+            ),
+            "models": models,
+            "agreement": agreement,
+            "eval": {
+                "heldout_ppl": f"first {cfg.eval_windows} windows of {cfg.seq_len} tokens of "
+                "the held-out files' token stream",
+                "heldout_prompt_text_ppl": "the 'text' field of heldout_prompts.jsonl, "
+                f"tokenized with bos and cut to {cfg.seq_len} tokens, all tokens pooled",
+                "agreement": f"target greedy continuation ({cfg.agree_new_tokens} tokens, cut "
+                "at eos) of each stored prompt; teacher-forced argmax of draft vs target",
+            },
+            "total_size_bytes": sum(m["dir_bytes"] for m in models.values()),
+            "build_config": dataclasses.asdict(cfg),
+            "versions": {
+                "python_for_stdlib_text": stages.get("tokenizer", {}).get("python_version"),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "tokenizers": tokenizers.__version__,
+                "safetensors": safetensors.__version__,
+                "platform": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+            },
+            "seeds": {
+                "base": cfg.seed,
+                "target_init": cfg.seed + 1,
+                "target_batches": cfg.seed + 2,
+                "distill_prompts": cfg.seed + 3,
+                "draft_init": cfg.seed + 4,
+                "draft_pretrain_batches": cfg.seed + 5,
+                "draft_finetune_batches": cfg.seed + 6,
+                "distill_sampling": [
+                    cfg.seed + 100 + i for i in range(len(cfg.distill_temperatures))
+                ],
+            },
+        }
+    )
+    report["training_seconds"] = round(
+        sum(
+            stages.get(s, {}).get("seconds", 0.0)
+            for s in ("tokenizer", "target", "distill", "draft")
+        ),
+        1,
+    )
+    report["report_seconds"] = round(time.time() - t0, 1)
+    paths.report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--stage",
+        action="append",
+        choices=[*STAGES, "all"],
+        help="stage(s) to run, in pipeline order; repeatable (default: all)",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="output dir (default fixtures/models)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="intermediate files")
+    ap.add_argument("--quick", action="store_true", help="toy sizes and a few steps (smoke test)")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument(
+        "--reuse-draft-pretrain",
+        action="store_true",
+        help="draft stage: finetune the pretrained draft kept in the work dir instead of "
+        "pretraining again",
+    )
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = QUICK if args.quick else BuildConfig()
+    if args.seed is not None:
+        cfg = dataclasses.replace(cfg, seed=args.seed)
+    out = (args.out or REPO_ROOT / "fixtures" / "models").resolve()
+    if args.work_dir is not None:
+        work = args.work_dir.resolve()
+    elif args.quick or args.out is not None:
+        work = out / "_work"  # keep a throw-away build's intermediates next to it
+    else:
+        work = REPO_ROOT / ".cache" / "fixture_build"
+    paths = Paths(out=out, work=work)
+    wanted = set(args.stage or ["all"])
+    stages = [s for s in STAGES if "all" in wanted or s in wanted]
+
+    # Two threads at most: the build shares a small machine and must be reproducible.
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-tensor "Loading weights" bars flood the build log
+    torch.manual_seed(cfg.seed)
+    log(f"build: stages {stages} out {out} work {work} python {sys.version.split()[0]}")
+    t0 = time.time()
+    for stage in stages:
+        ts = time.time()
+        if stage == "tokenizer":
+            stage_tokenizer(cfg, paths)
+        elif stage == "target":
+            stage_target(cfg, paths)
+        elif stage == "distill":
+            stage_distill(cfg, paths)
+        elif stage == "draft":
+            stage_draft(cfg, paths, args.reuse_draft_pretrain)
+        elif stage == "report":
+            report = stage_report(cfg, paths)
+            print(json.dumps(report, indent=2, sort_keys=True))
+        log(f"stage {stage} took {time.time() - ts:.1f}s")
+    log(f"build: done in {time.time() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

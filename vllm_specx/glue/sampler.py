@@ -1,0 +1,138 @@
+"""The specx rejection sampler as vLLM's V1 runner sees it.
+
+:class:`SpecxRejectionSampler` keeps vLLM's ``RejectionSampler`` contract (same
+``forward`` arguments, same ``SamplerOutput`` with ``[B, max_spec_len + 1]`` tokens
+padded with -1, same logprobs) so the runner's bookkeeping and vLLM's spec-decode
+metrics work unchanged. Only the verification rule is ours: it comes from the device
+backend chosen in :func:`vllm_specx.backends.select_backend`.
+
+What is reused from vLLM, on purpose, so a request is warped exactly as vLLM warps it
+for ordinary sampling: logits processors, penalties, bad words, temperature, top-k and
+top-p (``apply_logits_processors`` + ``apply_sampling_constraints``), the per-request
+seeded generators (``generate_uniform_probs`` and the same per-request exponential
+noise vLLM draws), and the bonus token, which vLLM samples through its full sampler;
+it is handed to the rule as a one-hot bonus distribution, so it is never re-sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import (
+    GREEDY_TEMPERATURE,
+    MAX_SPEC_LEN,
+    RejectionSampler,
+    apply_sampling_constraints,
+    generate_uniform_probs,
+)
+
+from vllm_specx.backends.base import Backend
+
+
+def verification_rule(settings: dict[str, Any]) -> str:
+    """MTAD verifies by joint likelihood; every other specx method is lossless."""
+    return "mtad" if settings["method"] == "mtad" else "standard"
+
+
+class SpecxRejectionSampler(RejectionSampler):
+    """vLLM's rejection sampler with the specx verification rules inside."""
+
+    def __init__(self, sampler: Any, spec_config: Any, device: Any,
+                 settings: dict[str, Any], backend: Backend) -> None:
+        super().__init__(sampler, spec_config, device)
+        if backend.verify is None:
+            raise RuntimeError(f"vllm-specx backend {backend.name!r} has no verify kernel")
+        self.rule = verification_rule(settings)
+        self.acceptance_threshold = float(settings.get("acceptance_threshold") or 1.0)
+        self.backend = backend
+
+    def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                sampling_metadata: Any) -> SamplerOutput:
+        assert metadata.max_spec_len <= MAX_SPEC_LEN
+        # The bonus token: vLLM's own sampler, exactly as in RejectionSampler.forward.
+        bonus_logits = logits[metadata.bonus_logits_indices]
+        bonus_out = self.sampler(
+            logits=bonus_logits,
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits"
+            if self.is_processed_logprobs_mode else "raw_logits",
+        )
+        bonus_token_ids = bonus_out.sampled_token_ids  # [B, 1]
+
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        target_logits = raw_target_logits
+        if not self.is_processed_logprobs_mode:
+            target_logits = target_logits.clone()
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
+        target_logits = apply_sampling_constraints(
+            target_logits, metadata.cu_num_draft_tokens, sampling_metadata
+        )
+        target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
+
+        output_token_ids = self._verify(metadata, draft_probs, target_probs,
+                                        bonus_token_ids, sampling_metadata)
+
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs, metadata, logits,
+                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                bonus_out.logprobs_tensors.logprobs, output_token_ids,
+            )
+        return SamplerOutput(sampled_token_ids=output_token_ids,
+                             logprobs_tensors=logprobs_tensors)
+
+    def _verify(self, metadata: Any, draft_probs: torch.Tensor | None,
+                target_probs: torch.Tensor, bonus_token_ids: torch.Tensor,
+                sampling_metadata: Any) -> torch.Tensor:
+        num_draft_tokens: list[int] = list(metadata.num_draft_tokens)
+        batch_size = len(num_draft_tokens)
+        num_tokens, vocab_size = target_probs.shape
+        device = target_probs.device
+
+        if sampling_metadata.all_greedy:
+            is_greedy = torch.ones(batch_size, dtype=torch.bool, device=device)
+        else:
+            is_greedy = sampling_metadata.temperature == GREEDY_TEMPERATURE
+        bonus_probs = torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=device)
+        bonus_probs.scatter_(1, bonus_token_ids.view(-1, 1).long(), 1.0)
+
+        # Randomness drawn exactly as vLLM draws it (seeded generators honoured, and no
+        # draws for requests without drafts, which keeps seeded runs reproducible).
+        uniforms = generate_uniform_probs(num_tokens, num_draft_tokens,
+                                          sampling_metadata.generators, device)
+        exp_noise = torch.empty(batch_size, vocab_size, dtype=torch.float32, device=device)
+        exp_noise.exponential_()
+        for i, generator in sampling_metadata.generators.items():
+            if num_draft_tokens[i] > 0:
+                exp_noise[i].exponential_(generator=generator)
+
+        full_q = token_q = None
+        if draft_probs is None and self.rule == "mtad":
+            # The runner lost the cached draft probabilities (it logs a warning): treat
+            # q as 1 rather than fail the step; the rule then thresholds on p alone.
+            token_q = torch.ones(num_tokens, dtype=torch.float32, device=device)
+        elif draft_probs is not None:
+            if draft_probs.ndim == 1:
+                token_q = draft_probs.to(torch.float32)
+            else:
+                full_q = draft_probs.to(torch.float32)
+        out = self.backend.verify(
+            self.rule,
+            metadata.draft_token_ids,
+            metadata.cu_num_draft_tokens,
+            target_probs,
+            bonus_probs,
+            is_greedy,
+            uniforms,
+            exp_noise,
+            metadata.max_spec_len,
+            draft_probs=full_q,
+            draft_token_probs=token_q,
+            acceptance_threshold=self.acceptance_threshold,
+        )
+        return out.to(torch.int32)  # SamplerOutput.sampled_token_ids is int32
