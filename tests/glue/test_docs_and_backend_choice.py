@@ -1,0 +1,53 @@
+"""The README's defaults table is the code's, and the backend is chosen in one place."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_specx.backends import BACKEND_MODULES, backend_for_device, select_backend
+from vllm_specx.methods import defaults_table_markdown
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_readme_defaults_table_matches_the_code():
+    readme = (ROOT / "README.md").read_text()
+    assert defaults_table_markdown() in readme
+
+
+def test_cpu_platform_selects_cpu_backend():
+    backend = select_backend()  # tests run with VLLM_TARGET_DEVICE=cpu
+    assert backend.name == "cpu" and backend.kernel_impl == "torch"
+
+
+@pytest.mark.parametrize("device,impl,max_k", [("cuda", "triton", None), ("npu", "torch", 15),
+                                               ("cpu", "torch", None)])
+def test_each_device_declares_its_limits_and_kernels(device, impl, max_k):
+    backend = backend_for_device(device)
+    assert backend.name == device
+    assert backend.kernel_impl == impl
+    assert backend.limits.max_num_speculative_tokens == max_k
+    assert backend.limits.max_beam_positions >= 16
+
+
+def test_unknown_device_is_refused_with_the_supported_list():
+    with pytest.raises(ValueError, match="no backend for device type 'xpu'.*cpu, cuda, npu"):
+        backend_for_device("xpu")
+
+
+def test_package_imports_without_torch_npu_or_triton_being_imported():
+    code = (
+        "import sys\n"
+        "import vllm_specx, vllm_specx.backends as b, vllm_specx.config, vllm_specx.methods\n"
+        "for d in b.BACKEND_MODULES: b.backend_for_device(d)\n"
+        "print('torch_npu' in sys.modules, 'triton' in sys.modules, 'vllm' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"]
+    assert set(BACKEND_MODULES) == {"cuda", "npu", "cpu"}
