@@ -1,0 +1,16 @@
+"""Test-session environment, set before anything imports vLLM.
+
+vLLM picks its platform at import time: on a host without an NVIDIA GPU the tests run
+vLLM's CPU platform with vllm-specx's CPU reference ops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# Leave OpenMP threads unpinned: the CPU worker's pinning fights other processes on a
+# small shared machine.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
