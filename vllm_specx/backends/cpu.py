@@ -1,6 +1,9 @@
-"""CPU backend: the pure-PyTorch verification path."""
+"""CPU backend: the pure-PyTorch verification path (:mod:`vllm_specx.algorithms.verify`)."""
 
+from vllm_specx.algorithms.verify import verify
 from vllm_specx.backends.base import Backend, DeviceLimits
+
+__all__ = ["BACKEND", "verify"]
 
 BACKEND = Backend(
     name="cpu",
@@ -11,4 +14,5 @@ BACKEND = Backend(
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
     ),
     description="vectorised PyTorch on the host",
+    verify=verify,
 )

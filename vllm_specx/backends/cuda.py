@@ -1,6 +1,56 @@
-"""CUDA backend: Triton kernels for verification (one program per request)."""
+"""CUDA backend: Triton kernels for verification.
+
+The kernels live in :mod:`vllm_specx.backends.triton_verify` and are imported on the
+first ``verify`` call, so importing this module (config validation does) needs
+neither Triton nor a GPU. ROCm reports device type "cuda" and runs the same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
 
 from vllm_specx.backends.base import Backend, DeviceLimits
+
+__all__ = ["BACKEND", "verify"]
+
+
+def verify(
+    rule: str,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    bonus_probs: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+    exp_noise: torch.Tensor,
+    max_spec_len: int,
+    draft_probs: torch.Tensor | None = None,
+    draft_token_probs: torch.Tensor | None = None,
+    acceptance_threshold: float = 1.0,
+) -> torch.Tensor:
+    """Triton verification (contract of :func:`vllm_specx.algorithms.verify.verify`).
+
+    Two launches: a token-parallel acceptance kernel and a per-request kernel that
+    scans the drafts, samples the one extra token and writes the output row.
+    Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+    """
+    from vllm_specx.backends import triton_verify  # lazy: Triton only when used
+
+    return triton_verify.verify(
+        rule,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        target_probs,
+        bonus_probs,
+        is_greedy,
+        uniforms,
+        exp_noise,
+        max_spec_len,
+        draft_probs=draft_probs,
+        draft_token_probs=draft_token_probs,
+        acceptance_threshold=acceptance_threshold,
+    )
+
 
 BACKEND = Backend(
     name="cuda",
@@ -11,4 +61,5 @@ BACKEND = Backend(
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
     ),
     description="Triton kernels (also run on CPU under TRITON_INTERPRET=1 in tests)",
+    verify=verify,
 )

@@ -1,11 +1,75 @@
 """Ascend NPU backend: pure torch (no Triton), limited by the NPU attention operator.
 
-Never imports torch_npu at module import: the package must import on any machine.
+Never imports torch_npu (at import or at call time): the package must import on any
+machine, and the verification path needs nothing from torch_npu beyond the ordinary
+``torch`` ops it registers for the "npu" device once vLLM-Ascend has loaded it.
+
+Verification runs the same vectorised torch code as the CPU backend
+(:mod:`vllm_specx.algorithms.verify`), which was written to stay inside what
+torch_npu runs natively (checked op by op in ``tests/backends/test_npu_ops.py``):
+
+* elementwise: ``where``, comparisons, ``&``/``|``/``~``, ``sub``/``mul``,
+  ``clamp``, ``log``, ``reciprocal``, dtype casts among int32/int64/float32/bool;
+* indexing: ``gather`` and ``index_select`` with int64 indices (no advanced
+  ``aten::index``, no ``scatter``);
+* reductions, all over float32: ``argmax`` of probability rows, ``amax`` (residual
+  mass), ``amin``/``amax`` over the [B, K] position grid (positions are float32 on
+  purpose, as vLLM-Ascend's own sampler does with ``.float().argmax``), ``cumsum``
+  (MTAD's running log-ratio); booleans are gathered as int32;
+* no ``sort``/``topk``, no ``cumprod`` (the first rejection is a min over positions,
+  not a boolean cumprod), no ``searchsorted``, no float64 arithmetic: float64
+  uniforms or noise are cast to float32 first (pass float32 to skip even the cast),
+  no host synchronisation and no data-dependent shapes (graph-capture friendly).
 """
 
+from __future__ import annotations
+
+import torch
+
+from vllm_specx.algorithms import verify as _torch_verify
 from vllm_specx.backends.base import Backend, DeviceLimits
 
+__all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "verify"]
+
 ASCEND_MAX_QUERY_TOKENS = 16  # npu_fused_infer_attention_score, TND layout
+
+
+def verify(
+    rule: str,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    bonus_probs: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+    exp_noise: torch.Tensor,
+    max_spec_len: int,
+    draft_probs: torch.Tensor | None = None,
+    draft_token_probs: torch.Tensor | None = None,
+    acceptance_threshold: float = 1.0,
+) -> torch.Tensor:
+    """NPU verification (contract of :func:`vllm_specx.algorithms.verify.verify`).
+
+    The randomness is cast to float32 here, before any arithmetic, so no float64
+    kernel ever runs on the device.
+    """
+    return _torch_verify.verify(
+        rule,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        target_probs,
+        bonus_probs,
+        is_greedy,
+        _torch_verify.as_float32_uniforms(uniforms),
+        exp_noise.to(torch.float32),
+        max_spec_len,
+        draft_probs=draft_probs,
+        draft_token_probs=(
+            None if draft_token_probs is None else draft_token_probs.to(torch.float32)
+        ),
+        acceptance_threshold=acceptance_threshold,
+    )
+
 
 BACKEND = Backend(
     name="npu",
@@ -23,4 +87,5 @@ BACKEND = Backend(
         ),
     ),
     description="torch ops that torch_npu supports; no Triton",
+    verify=verify,
 )

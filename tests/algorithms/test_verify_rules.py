@@ -1,0 +1,230 @@
+"""The verification rules of ``vllm_specx.algorithms.verify``, checked exhaustively.
+
+* MTAD: on a full grid of per-token (p, q) values the accepted length equals a
+  brute-force evaluation of the rule written as products (largest i with
+  prod p_j / prod q_j > tau), and the extra token comes from p_{a+1}.
+* Greedy requests: speculative decoding with the sampler reproduces plain greedy
+  decoding token for token, under both rules, with tied logits.
+* The building blocks: per-token decisions, accepted lengths, NaN-freedom.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from vllm_specx.algorithms import verify as V
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors on 2 shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+GRID = (0.0, 0.05, 0.2, 0.6, 0.9, 1.0)
+VOCAB = 8
+
+
+def _brute_force_mtad(ps: tuple, qs: tuple, tau: float) -> tuple[int, bool]:
+    """(a, fragile): the largest depth whose joint likelihood ratio exceeds tau.
+
+    A zero q_j means the draft could not have proposed x_j: depth j and deeper fail.
+    ``fragile``: a ratio equals tau up to float32 rounding of the logs.
+    """
+    a, fragile = 0, False
+    num = den = 1.0
+    dead = False
+    for i, (p, q) in enumerate(zip(ps, qs), start=1):
+        dead |= q == 0.0 or p == 0.0
+        if dead:
+            continue
+        num *= p
+        den *= q
+        ratio = num / den
+        if ratio > tau:
+            a = i
+        exact = all(pj == qj for pj, qj in zip(ps[:i], qs[:i]))  # log ratio exactly 0
+        fragile |= not exact and abs(math.log(ratio) - math.log(tau)) < 1e-5
+    return a, fragile
+
+
+def _mtad_row(j: int, p: float) -> list[float]:
+    row = [0.0] * VOCAB
+    row[j] = p
+    row[4 + j] += 1.0 - p  # the rest on a token that identifies position j
+    return row
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.37, 0.013])
+def test_mtad_matches_brute_force_on_a_full_grid(tau: float) -> None:
+    cases = [
+        (ps, qs)
+        for n in (1, 2, 3)
+        for ps in itertools.product(GRID, repeat=n)
+        for qs in itertools.product(GRID, repeat=n)
+    ]
+    cases.append(((), ()))  # a request without drafts
+    drafts, rows, q_tok, counts = [], [], [], []
+    for ps, qs in cases:
+        counts.append(len(ps))
+        drafts += list(range(len(ps)))  # draft j is token j
+        rows += [_mtad_row(j, p) for j, p in enumerate(ps)]
+        q_tok += list(qs)
+    b = len(cases)
+    bonus = torch.zeros(b, VOCAB)
+    bonus[:, 7] = 1.0
+    out = V.verify(
+        "mtad",
+        torch.tensor(drafts),
+        torch.tensor(counts).cumsum(0),
+        torch.tensor(rows, dtype=torch.float32),
+        bonus,
+        torch.zeros(b, dtype=torch.bool),
+        torch.rand(len(drafts)),
+        torch.ones(b, VOCAB),  # noise 1: the extra token is the argmax of its row
+        3,
+        draft_token_probs=torch.tensor(q_tok, dtype=torch.float32),
+        acceptance_threshold=tau,
+    )
+    accepted = V.num_accepted_from_output(out).tolist()
+    out_rows = out.tolist()
+    compared = skipped = longer_after_fail = 0
+    for i, (ps, qs) in enumerate(cases):
+        a, fragile = _brute_force_mtad(ps, qs, tau)
+        if fragile:
+            skipped += 1
+            continue
+        compared += 1
+        assert accepted[i] == a, (ps, qs, tau, out_rows[i])
+        if a < len(ps):  # extra token from p_{a+1}: token a or 4 + a, whichever is larger
+            extra = a if ps[a] > 1.0 - ps[a] else 4 + a
+        else:
+            extra = 7
+        assert out_rows[i][: a + 1] == list(range(a)) + [extra], (ps, qs, out_rows[i])
+        first_fail = next((j for j in range(len(ps)) if _brute_force_mtad(
+            ps[: j + 1], qs[: j + 1], tau)[0] != j + 1), len(ps))  # fmt: skip
+        longer_after_fail += a > first_fail
+    # Skipped: products equal to tau in exact arithmetic by different factors, e.g.
+    # (0.2 / 0.6) * (0.6 / 0.2) = 1 at tau = 1, which float32 logs may round either way
+    # (about 2% of the grid at tau = 1, none otherwise). p == q exactly is not skipped.
+    assert compared > 0.97 * len(cases), (compared, skipped)
+    # The grid exercises "a longer prefix passes after a shorter one failed" many times.
+    assert longer_after_fail > 100
+
+
+def test_accepted_lengths_helper_agrees_with_the_output() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from verify_reference import RULE_VARIANTS, random_batch
+
+    for variant in RULE_VARIANTS:
+        for seed in range(20):
+            batch = random_batch(900 + seed, variant)
+            out = V.verify(*batch.args(), **batch.kwargs())
+            lengths = V.accepted_lengths(
+                batch.rule,
+                batch.draft_token_ids,
+                batch.cu_num_draft_tokens,
+                batch.target_probs,
+                batch.is_greedy,
+                batch.uniforms,
+                batch.max_spec_len,
+                draft_probs=batch.draft_probs,
+                draft_token_probs=batch.draft_token_probs,
+                acceptance_threshold=batch.acceptance_threshold,
+            )
+            assert torch.equal(lengths, V.num_accepted_from_output(out))
+
+
+def _target_logits(context: tuple[int, ...], vocab: int) -> torch.Tensor:
+    """A deterministic toy "model": logits from a hash of the context, with ties."""
+    g = torch.Generator().manual_seed(hash(context) % (2**31))
+    return torch.randn(vocab, generator=g).mul(1.5).round()  # rounding makes ties
+
+
+def _draft_logits(context: tuple[int, ...], vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((hash(context) * 7 + 3) % (2**31))
+    return _target_logits(context, vocab) + torch.randn(vocab, generator=g)
+
+
+@pytest.mark.parametrize("rule", ["standard", "mtad"])
+def test_greedy_speculative_decoding_equals_greedy_decoding(rule: str) -> None:
+    vocab, k, steps_out, b = 6, 3, 24, 6
+    prompts = [(i,) for i in range(b)]
+    reference = []
+    for prompt in prompts:
+        seq = list(prompt)
+        while len(seq) < len(prompt) + steps_out:
+            seq.append(int(_target_logits(tuple(seq), vocab).argmax()))
+        reference.append(seq)
+
+    seqs = [list(p) for p in prompts]
+    rounds = 0
+    while min(len(s) - 1 for s in seqs) < steps_out:
+        rounds += 1
+        drafts, rows, q_tok, counts, bonus = [], [], [], [], []
+        for r, seq in enumerate(seqs):
+            n = (r + rounds) % (k + 1)  # ragged: 0..K drafts, changing every round
+            ctx = list(seq)
+            for _ in range(n):
+                q = _draft_logits(tuple(ctx), vocab).softmax(-1)
+                x = int(q.argmax())
+                rows.append(_target_logits(tuple(ctx), vocab).softmax(-1))
+                drafts.append(x)
+                q_tok.append(float(q[x]))
+                ctx.append(x)
+            counts.append(n)
+            bonus.append(_target_logits(tuple(ctx), vocab).softmax(-1))
+        t = len(drafts)
+        out = V.verify(
+            rule,
+            torch.tensor(drafts, dtype=torch.int64),
+            torch.tensor(counts).cumsum(0),
+            torch.stack(rows) if rows else torch.zeros(0, vocab),
+            torch.stack(bonus),
+            torch.ones(b, dtype=torch.bool),
+            torch.rand(t),
+            torch.empty(b, vocab).exponential_(),
+            k,
+            draft_token_probs=torch.tensor(q_tok) if rule == "mtad" else None,
+            acceptance_threshold=1e-6,  # MTAD would accept almost anything: greedy ignores it
+        )
+        for seq, row in zip(seqs, out.tolist()):
+            seq.extend(tok for tok in row if tok != -1)
+    for seq, ref in zip(seqs, reference):
+        assert seq[: len(ref)] == ref
+    assert rounds < steps_out  # drafts were accepted: fewer rounds than tokens
+
+
+def test_per_token_decisions() -> None:
+    target = torch.tensor([[0.3, 0.3, 0.4, 0.0], [0.5, 0.5, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    draft = torch.tensor([[0.3, 0.3, 0.0, 0.4], [0.5, 0.5, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]])
+    ids = torch.tensor([2, 0, -1])
+    u = torch.tensor([0.0, 0.99, 0.0])
+    # greedy: 2 is the argmax of row 0; row 1 ties 0/1 -> 0; -1 is never accepted
+    assert V.greedy_accept(ids, target).tolist() == [True, True, False]
+    # full q: q(2) = 0 in row 0 -> rejected although p(2) = 0.4; row 1 ratio 1 -> accepted
+    assert V.rejection_accept(ids, target, u, draft).tolist() == [False, True, False]
+    # one-hot: u < p(x)
+    assert V.rejection_accept(ids, target, u).tolist() == [True, False, False]
+    terms = V.joint_log_ratio(ids, target, torch.tensor([0.0, 0.5, 0.3]))
+    assert terms[0] == -math.inf and terms[1] == 0.0 and terms[2] == -math.inf
+    assert not torch.isnan(terms).any()
+
+
+def test_extra_token_distribution_falls_back_to_p() -> None:
+    layout = V.request_layout(torch.tensor([1]), 1, 2)
+    target = torch.tensor([[0.0, 0.5, 0.5]])
+    dist = V.extra_token_distribution(
+        "standard", torch.tensor([0]), torch.tensor([0]), target,
+        torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([False]), layout, draft_probs=target,
+    )  # fmt: skip
+    assert dist.tolist() == [[0.0, 0.5, 0.5]]  # residual max(p - p, 0) = 0 -> p
