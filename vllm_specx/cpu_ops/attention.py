@@ -1,0 +1,239 @@
+"""Paged attention for vLLM's ``CPU_ATTN`` backend, in PyTorch.
+
+KV cache layout (vLLM 0.32.0 ``CPU_ATTN``): one tensor per layer of shape
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` that the backend views as
+``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and splits along dim 2, so
+``key_cache`` and ``value_cache`` are non-contiguous ``[num_blocks, num_kv_heads,
+block_size, head_size]`` views. Every write below goes through those views in place.
+
+The attention itself is written for clarity and vectorised over requests: gather each
+request's keys/values through its block table into a padded ``[reqs, kv_heads,
+max_seq, head]`` tensor, build one boolean mask for every (request, query, key), and
+run a masked softmax in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ISA hints vLLM's CPU backend may pass; the reference computes the same thing for all.
+KNOWN_ISA_HINTS = frozenset({"amx", "amx_fp8", "vec", "vec16", "neon", "vxe", "rvv", "vsx"})
+
+
+def _check_isa(isa: str) -> None:
+    if isa not in KNOWN_ISA_HINTS:
+        # The compiled op rejects unknown hints too; a new hint means vLLM changed.
+        raise ValueError(f"Unsupported CPU attention ISA hint: {isa!r}")
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError(
+            "vllm-specx CPU reference attention supports kv_cache_dtype='auto' only, "
+            f"got {kv_cache_dtype!r} (FP8 KV caches need vLLM's compiled CPU build)"
+        )
+
+
+def cpu_attn_has_isa(isa: str) -> bool:
+    """Whether a specialised ISA path exists. vLLM asks for "rvv" and "amx_fp8" only
+    to pick optional specialised kernels; the reference has none, so always False."""
+    return False
+
+
+def get_scheduler_metadata(
+    num_req: int,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+    query_start_loc: torch.Tensor,
+    casual: bool,
+    window_size: int,
+    isa_hint: str,
+    enable_kv_split: bool,
+    dynamic_causal: torch.Tensor | None,
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
+    """The compiled op plans thread work items; the reference needs no plan.
+
+    Returns a tiny placeholder tensor (the attention op ignores it) after validating
+    the arguments the same way the compiled op would.
+    """
+    _check_isa(isa_hint)
+    _check_kv_cache_dtype(kv_cache_dtype)
+    if num_heads_q % num_heads_kv != 0:
+        raise ValueError(f"num_heads_q={num_heads_q} not a multiple of {num_heads_kv=}")
+    return torch.zeros(1, dtype=torch.int8)
+
+
+def cpu_attn_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Write ``key``/``value`` ``[tokens, kv_heads, head]`` into the paged caches.
+
+    Token ``t`` goes to block ``slot // block_size`` at offset ``slot % block_size``;
+    negative slots (vLLM's padding slot id -1) are skipped.
+    """
+    _check_isa(isa)
+    _check_kv_cache_dtype(kv_cache_dtype)
+    if key.dim() != 3 or value.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError("expected key/value [tokens, heads, head] and 4-D caches")
+    num_tokens = key.shape[0]
+    slots = slot_mapping[:num_tokens].to(torch.int64)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        keep = valid.nonzero().squeeze(1)
+        slots = slots[keep]
+        key = key[keep]
+        value = value[keep]
+    block_size = key_cache.shape[2]
+    blocks = slots // block_size
+    offsets = slots % block_size
+    # Advanced indices on dims 0 and 2 with a slice between: the indexed result is
+    # [tokens, kv_heads, head], which is exactly key's layout.
+    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cpu_attention_with_kv_cache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window_size: int,
+    block_table: torch.Tensor,
+    softcap: float,
+    scheduler_metadata: torch.Tensor,
+    s_aux: torch.Tensor | None,
+    dynamic_causal: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Paged attention over a ragged batch, written into ``output`` in place.
+
+    Request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` and
+    ``seq_lens[r]`` cached tokens (its new tokens are already in the cache). Query row
+    ``i`` of a request with ``q_len`` rows sits at position ``seq_len - q_len + i`` when
+    the request is causal, and at ``i`` otherwise (encoder attention), mirroring the
+    compiled kernel. Masking, per (query position p, key position k):
+
+    * causal: ``k <= p``;
+    * sliding window ``W > 0`` (vLLM's convention, the same as ``window_left = W - 1``
+      in its other backends): ``p - k < W``, and also ``k - p < W`` when not causal;
+    * ``dynamic_causal[r] != 0`` makes request ``r`` causal (``causal`` is then False).
+
+    Scores: ``scale * q.k``, then ``softcap * tanh(s / softcap)`` when ``softcap > 0``,
+    then ``+ alibi_slopes[h] * (k - p)``. ``s_aux[h]`` (attention sinks) is an extra
+    logit per head that joins the softmax normaliser but carries no value.
+    """
+    _check_kv_cache_dtype(kv_cache_dtype)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head], got {tuple(query.shape)}")
+    num_tokens, num_heads, head_size = query.shape
+    if num_tokens == 0:
+        return
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    out = output.view(num_tokens, num_heads, head_size)  # must alias: written in place
+
+    qsl = query_start_loc.to(torch.int64)
+    num_reqs = qsl.shape[0] - 1
+    q_lens = qsl[1:] - qsl[:-1]
+    s_lens = seq_lens[:num_reqs].to(torch.int64)
+    max_q = int(q_lens.max())
+    max_s = int(s_lens.max())
+    if max_q == 0:
+        return
+    cdt = _compute_dtype(query.dtype)
+
+    # Which request and row each query token is.
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    n_q = req_of_token.shape[0]
+    row_of_token = torch.arange(n_q) - qsl[:-1][req_of_token]
+
+    # Padded queries: [reqs, max_q, kv_heads, group, head].
+    q_pad = query.new_zeros((num_reqs, max_q, num_heads, head_size), dtype=cdt)
+    q_pad[req_of_token, row_of_token] = query[:n_q].to(cdt)
+    q_pad = q_pad.view(num_reqs, max_q, num_kv_heads, group, head_size)
+
+    # Gather each request's keys/values through its block table:
+    # [reqs, n_blk, kv_heads, block, head] -> [reqs, kv_heads, n_blk * block, head].
+    n_blk = (max_s + block_size - 1) // block_size
+    blk_ids = block_table[:num_reqs, :n_blk].to(torch.int64).clamp(0, num_blocks - 1)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        g = cache[blk_ids]  # [reqs, n_blk, kv_heads, block, head]
+        g = g.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, n_blk * block_size, -1)
+        return g[:, :, :max_s].to(cdt)
+
+    k_all = gather(key_cache)
+    v_all = gather(value_cache)
+    # Slots past a request's length hold whatever an earlier request left (or block 0
+    # for unused table entries); zero them so 0-weight * stale-NaN cannot leak in.
+    key_valid = torch.arange(max_s)[None, :] < s_lens[:, None]  # [reqs, max_s]
+    k_all = k_all.masked_fill(~key_valid[:, None, :, None], 0.0)
+    v_all = v_all.masked_fill(~key_valid[:, None, :, None], 0.0)
+
+    # scores: [reqs, kv_heads, group, max_q, max_s]
+    scores = torch.einsum("rqhgd,rhsd->rhgqs", q_pad, k_all) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+
+    req_causal = torch.full((num_reqs,), bool(causal))
+    if dynamic_causal is not None:
+        req_causal = req_causal | (dynamic_causal[:num_reqs] != 0)
+    rows = torch.arange(max_q)
+    keys = torch.arange(max_s)
+    # Query position per (request, row): [reqs, max_q].
+    q_pos = torch.where(
+        req_causal[:, None], (s_lens - q_lens)[:, None] + rows[None, :], rows[None, :]
+    )
+    dist = q_pos[:, :, None] - keys[None, None, :]  # p - k: [reqs, max_q, max_s]
+    allowed = (keys[None, None, :] < s_lens[:, None, None]) & (
+        rows[None, :, None] < q_lens[:, None, None]
+    )
+    allowed &= ~req_causal[:, None, None] | (dist >= 0)
+    if sliding_window_size is not None and sliding_window_size > 0:
+        window = int(sliding_window_size)
+        allowed &= dist < window
+        allowed &= req_causal[:, None, None] | (-dist < window)
+
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(cdt).view(num_kv_heads, group)
+        scores = scores + slopes[None, :, :, None, None] * (-dist.to(cdt))[:, None, None]
+
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.to(cdt).view(1, num_kv_heads, group, 1, 1)
+        row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        weights = torch.exp(scores - row_max)
+        denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
+        probs = weights / denom
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    # Padding rows (and any row with nothing to attend to) would be 0/0: zero them
+    # explicitly rather than nan_to_num, which would also hide real NaNs.
+    probs = torch.where(allowed.any(dim=-1)[:, None, None, :, None], probs, 0.0)
+
+    ctx = torch.einsum("rhgqs,rhsd->rqhgd", probs, v_all)
+    ctx = ctx.reshape(num_reqs, max_q, num_heads, head_size)
+    out[:n_q] = ctx[req_of_token, row_of_token].to(out.dtype)
