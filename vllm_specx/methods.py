@@ -134,6 +134,7 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=4,
             knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD),
+            available=True,
         ),
         MethodSpec(
             name="adaptive",

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vllm_specx.cpu_ops.spec_decode import expand_kernel_impl
+from vllm_specx.glue.patch import VllmPatch
 
 logger = logging.getLogger(__name__)
 
@@ -119,34 +120,50 @@ def check_replacement_signatures(expected: dict[str, tuple[str, ...]]) -> None:
             )
 
 
-def install(kernel_names: list[str] | tuple[str, ...]) -> list[str]:
-    """Point vLLM's CPU adapters for ``kernel_names`` at our replacements.
+class CpuAdapterReplacement(VllmPatch):
+    """Replace one defective CPU adapter in ``vllm.utils.cpu_triton_utils`` outright.
 
     The CPU platform registers its adapters (``register_triton_kernel_overrides``)
     after loading general plugins in each worker, reading the adapter functions from
-    ``vllm.utils.cpu_triton_utils`` at that moment; swapping the module attributes
-    here makes it register ours, once, with no double registration. If the platform
-    has already registered (a plugin loaded late), we re-register through vLLM's
-    public ``register_kernels``. Returns the kernel names handled.
+    ``vllm.utils.cpu_triton_utils`` at that moment; swapping the module attribute here
+    makes it register ours, once. If the platform has already registered (a plugin
+    loaded late), :meth:`after_apply` re-registers through vLLM's ``register_kernels``.
     """
-    from vllm.triton_utils import dispatcher
-    from vllm.utils import cpu_triton_utils
 
-    done: list[str] = []
-    late: dict[str, Callable[..., Any]] = {}
+    outright = True  # the dispatcher must see OUR parameter names
+
+    def __init__(self, kernel_name: str, adapter_attr: str, impl: Callable[..., Any]) -> None:
+        self.kernel_name = kernel_name
+        self.impl = impl
+        self.name = f"cpu_adapter{adapter_attr.removesuffix('_impl')}"
+        self.target = f"vllm.utils.cpu_triton_utils:{adapter_attr}"
+        self.replaces = f"vLLM's CPU adapter for the Triton kernel {kernel_name}"
+        self.why = (
+            "its parameters differ from the kernel's, so the dispatcher mis-forwards or the "
+            "outputs are never written (docs/upstream-vllm-cpu-adapter-defects.md)"
+        )
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return self.impl
+
+    def after_apply(self, module: Any) -> None:
+        from vllm.triton_utils import dispatcher
+
+        registered = getattr(dispatcher, "_registry", {}).get(self.kernel_name)
+        if registered is not None and registered[1] is not self.impl:
+            logger.info("re-registering CPU kernel override after the platform: %s",
+                        self.kernel_name)
+            dispatcher.register_kernels({self.kernel_name: self.impl})
+
+
+PATCHES: dict[str, CpuAdapterReplacement] = {
+    kernel: CpuAdapterReplacement(kernel, attr, impl)
+    for kernel, (attr, impl) in REPLACEMENTS.items()
+}
+
+
+def install(kernel_names: list[str] | tuple[str, ...]) -> list[str]:
+    """Apply the adapter replacements for ``kernel_names``; returns the names handled."""
     for kernel_name in kernel_names:
-        adapter_attr, impl = REPLACEMENTS[kernel_name]
-        if not hasattr(cpu_triton_utils, adapter_attr):
-            raise AdapterDriftError(
-                f"vllm.utils.cpu_triton_utils.{adapter_attr} (the CPU adapter of "
-                f"{kernel_name}) no longer exists"
-            )
-        setattr(cpu_triton_utils, adapter_attr, impl)
-        registered = getattr(dispatcher, "_registry", {}).get(kernel_name)
-        if registered is not None and registered[1] is not impl:
-            late[kernel_name] = impl
-        done.append(kernel_name)
-    if late:
-        logger.info("re-registering CPU kernel overrides after the platform: %s", list(late))
-        dispatcher.register_kernels(late)
-    return done
+        PATCHES[kernel_name].apply()
+    return list(kernel_names)

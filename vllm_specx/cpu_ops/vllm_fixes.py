@@ -5,6 +5,9 @@ calls from every worker's ``init_worker``. After swapping a kernel it scans ever
 module in ``sys.modules`` for other references to the original kernel, reading
 ``vars(value).get("kernel")`` of every attribute that has a ``__dict__``.
 
+Each fix is a named :class:`~vllm_specx.glue.patch.VllmPatch` (what it replaces, why,
+verified vLLM range), applied only for the releases whose drift-table entry lists it.
+
 * ``tolerant_kernel_rebind``: some objects answer ``__dict__`` with something that is
   not a mapping (llvmlite's ``_lib_wrapper`` returns a function wrapper for any
   attribute), so once numba/llvmlite is imported -- vLLM's n-gram proposer imports it
@@ -22,12 +25,13 @@ See docs/upstream-vllm-cpu-adapter-defects.md (defect 3).
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import types
 from collections.abc import Callable
 from typing import Any
+
+from vllm_specx.glue.patch import VllmPatch
 
 logger = logging.getLogger(__name__)
 
@@ -66,54 +70,56 @@ def _tolerant_rebind(overrides: list[tuple[Any, Any]]) -> None:
                 value.__dict__.pop("_kernel_arg_names", None)
 
 
-def install_tolerant_kernel_rebind() -> None:
-    """Wrap ``dispatcher._rebind_kernels``: vLLM's own scan first, ours if it fails."""
-    from vllm.triton_utils import dispatcher
+class TolerantKernelRebind(VllmPatch):
+    name = "cpu_tolerant_kernel_rebind"
+    target = "vllm.triton_utils.dispatcher:_rebind_kernels"
+    replaces = "dispatcher._rebind_kernels, the sys.modules scan after a kernel override"
+    why = (
+        "the scan crashes once numba/llvmlite is imported (their objects answer __dict__ "
+        "with a non-mapping); vLLM's scan still runs first, ours only if it raises "
+        "(docs/upstream-vllm-cpu-adapter-defects.md, defect 3)"
+    )
 
-    original: Callable[..., Any] = dispatcher._rebind_kernels
-    if getattr(original, "_vllm_specx_tolerant", False):
-        return
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def rebind(overrides: list[tuple[Any, Any]]) -> None:
+            try:
+                original(overrides)
+            except (AttributeError, TypeError) as exc:
+                logger.debug("vLLM kernel rebind scan failed (%s); using the tolerant scan", exc)
+                _tolerant_rebind(overrides)
 
-    @functools.wraps(original)
-    def rebind(overrides: list[tuple[Any, Any]]) -> None:
-        try:
-            original(overrides)
-        except (AttributeError, TypeError) as exc:
-            logger.debug("vLLM kernel rebind scan failed (%s); using the tolerant scan", exc)
-            _tolerant_rebind(overrides)
-
-    rebind._vllm_specx_tolerant = True  # type: ignore[attr-defined]
-    dispatcher._rebind_kernels = rebind
-
-
-def make_override_registration_once() -> None:
-    """Let the CPU platform register its Triton kernel overrides once per process."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    current = CpuPlatform.__dict__["register_triton_kernel_overrides"]
-    func = current.__func__ if isinstance(current, classmethod) else current
-    if getattr(func, "_vllm_specx_once", False):
-        return
-    done = False
-
-    @functools.wraps(func)
-    def register_once(cls: type) -> None:
-        nonlocal done
-        if done:
-            return
-        func(cls)
-        done = True
-
-    register_once._vllm_specx_once = True  # type: ignore[attr-defined]
-    CpuPlatform.register_triton_kernel_overrides = classmethod(register_once)  # type: ignore[method-assign]
+        return rebind
 
 
-FIXES: dict[str, Callable[[], None]] = {
-    "tolerant_kernel_rebind": install_tolerant_kernel_rebind,
-    "register_overrides_once": make_override_registration_once,
+class OverrideRegistrationOnce(VllmPatch):
+    name = "cpu_override_registration_once"
+    target = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
+    replaces = "CpuPlatform.register_triton_kernel_overrides (a classmethod run per worker)"
+    why = (
+        "the overrides are process-global; a second engine in one process would redo the "
+        "sys.modules scan and log an overwrite per kernel"
+    )
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        done = False
+
+        def register_once(cls: type) -> None:
+            nonlocal done
+            if done:
+                return
+            original(cls)
+            done = True
+
+        return register_once
+
+
+# Names used by the drift table (``ReleaseTable.runtime_fixes``) -> patch.
+FIXES: dict[str, VllmPatch] = {
+    "tolerant_kernel_rebind": TolerantKernelRebind(),
+    "register_overrides_once": OverrideRegistrationOnce(),
 }
 
 
 def apply(names: tuple[str, ...]) -> None:
     for name in names:
-        FIXES[name]()
+        FIXES[name].apply()

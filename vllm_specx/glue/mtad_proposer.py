@@ -45,7 +45,7 @@ vocabularies, parallel drafting, data parallelism and decode context parallelism
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,8 +82,6 @@ class MTADDraftStats:
     tail_tokens: int = 0
     tail_forward_passes: int = 0
     full_recompute_tail_tokens: int = 0
-    per_round: list[dict[str, int]] = field(default_factory=list)
-    keep_per_round: bool = False
 
     def record(self, num_reqs: int, k: int, b: int, first: int, tail: int, passes: int) -> None:
         full = num_reqs * recompute_tail_cost(b, k)
@@ -93,18 +91,6 @@ class MTADDraftStats:
         self.tail_tokens += tail
         self.tail_forward_passes += passes
         self.full_recompute_tail_tokens += full
-        if self.keep_per_round:
-            self.per_round.append(
-                dict(
-                    num_reqs=num_reqs,
-                    k=k,
-                    num_beams=b,
-                    first_pass_tokens=first,
-                    tail_tokens=tail,
-                    tail_forward_passes=passes,
-                    full_recompute_tail_tokens=full,
-                )
-            )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +137,9 @@ class MTADProposer(DraftModelProposer):
             raise ValueError(f"MTAD: num_beams must be >= 1, got {self.num_beams}")
         self._refuse_unsupported(vllm_config)
         self.stats = MTADDraftStats()
+        # Position P of the token each request's draft continues (last round), for
+        # tests and debugging: the draft context is the request's tokens [0, P].
+        self.last_sample_positions: torch.Tensor | None = None
 
     def _refuse_unsupported(self, vllm_config: Any) -> None:
         reasons = []
@@ -205,6 +194,7 @@ class MTADProposer(DraftModelProposer):
             mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
+        self.last_sample_positions = sample_positions
         if k == 0:
             # Same contract as the base class: the pass above keeps the draft KV in sync.
             return torch.empty(num_reqs, 0, device=logits.device, dtype=torch.int64)
@@ -216,6 +206,10 @@ class MTADProposer(DraftModelProposer):
 
         def warp(lg: torch.Tensor) -> torch.Tensor:
             md = sampling_metadata
+            if md.temperature is None:
+                # All greedy: vLLM may still carry top-k/top-p rows for them, but greedy
+                # beam search ranks by the unwarped draft log-probs.
+                return warp_logprobs(lg)
             return warp_logprobs(lg, md.temperature, md.top_k, md.top_p)
 
         state = BeamSearchState.start(num_reqs, self.num_beams, logits.device)
@@ -230,21 +224,19 @@ class MTADProposer(DraftModelProposer):
         tail = _TailWriter(self, cad, sample_positions, base_seq_lens, k)
         tail_tokens = tail_passes = 0
         for depth in range(1, k):
-            tails = state.tokens  # [R, B, depth]
+            # Host copy once per depth: the pass layouts are built on the host anyway.
+            tails = state.tokens.to("cpu")  # [R, B, depth]
             order = lexicographic_order(tails)
-            next_lp = torch.empty(num_reqs, self.num_beams, logits.shape[-1], device=logits.device)
+            # Beams are fed to the selector one at a time: memory O(R * V), not O(R*B*V).
+            selector = state.selector(greedy, generators)
             for i in range(self.num_beams):
-                beam = order[:, i]  # one beam per request in this pass
-                beam_tails = tails.gather(1, beam.view(-1, 1, 1).expand(-1, 1, depth)).squeeze(1)
-                beam_logits, n_tok, n_pass = tail.run(beam_tails)
+                beam_cpu = order[:, i]  # one beam per request in this pass
+                beam_tails = tails.gather(1, beam_cpu.view(-1, 1, 1).expand(-1, 1, depth))
+                beam_logits, n_tok, n_pass = tail.run(beam_tails.squeeze(1))
                 tail_tokens += n_tok
                 tail_passes += n_pass
-                next_lp.scatter_(
-                    1,
-                    beam.view(-1, 1, 1).expand(-1, 1, logits.shape[-1]),
-                    warp(beam_logits).unsqueeze(1),
-                )
-            state = state.step(next_lp, greedy, generators)
+                selector.add(beam_cpu.to(logits.device), warp(beam_logits))
+            state = state.apply(selector.result())
 
         draft_tokens, q = state.best()
         self._last_draft_probs = q.to(torch.float32).contiguous()

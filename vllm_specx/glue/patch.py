@@ -46,6 +46,10 @@ class VllmPatch:
     why: str = ""
     verified_on: str = ">=0.32.0,<0.33"
     lazy: bool = False  # apply when vLLM imports the module, not at registration
+    # True when the replacement is a whole new function rather than a wrapper: it then
+    # keeps its own name and signature (vLLM's kernel dispatcher forwards arguments by
+    # the replacement's parameter names, which functools.wraps would hide).
+    outright: bool = False
 
     def wrap(self, original: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -88,15 +92,20 @@ class VllmPatch:
                 )
             if getattr(raw, "__specx_patch__", None) == self.name:
                 return  # idempotent: vLLM loads plugins several times per process
-            is_static = isinstance(raw, staticmethod)
-            original = raw.__func__ if is_static else raw
+            descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+            original = raw.__func__ if descriptor else raw
             replacement = self.wrap(original)
-            functools.update_wrapper(replacement, original)
+            if not self.outright:
+                functools.update_wrapper(replacement, original)
             replacement.__specx_patch__ = self.name
             replacement.__specx_original__ = original
-            setattr(owner, attr, staticmethod(replacement) if is_static else replacement)
-            if is_static:
+            setattr(owner, attr, descriptor(replacement) if descriptor else replacement)
+            if descriptor:
                 owner.__dict__[attr].__specx_patch__ = self.name
+            self.after_apply(module)
+
+    def after_apply(self, module: Any) -> None:
+        """Hook for work that must follow the swap (e.g. re-registering a kernel)."""
 
     def revert(self) -> None:
         """Undo the patch (tests use this to compare behaviour with and without it)."""
@@ -106,11 +115,11 @@ class VllmPatch:
         with _lock:
             owner, attr = self._owner_and_attr(module)
             raw = owner.__dict__.get(attr)
-            func = raw.__func__ if isinstance(raw, staticmethod) else raw
+            descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+            func = raw.__func__ if descriptor else raw
             original = getattr(func, "__specx_original__", None)
             if original is not None:
-                setattr(owner, attr, staticmethod(original) if isinstance(raw, staticmethod)
-                        else original)
+                setattr(owner, attr, descriptor(original) if descriptor else original)
 
 
 def version_in(spec: str, version: str) -> bool:

@@ -68,9 +68,12 @@ class SpecxRejectionSampler(RejectionSampler):
         if not self.is_processed_logprobs_mode:
             target_logits = target_logits.clone()
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
-        target_logits = apply_sampling_constraints(
-            target_logits, metadata.cu_num_draft_tokens, sampling_metadata
-        )
+        if target_logits.shape[0] > 0:
+            # vLLM 0.32's top-k path takes k.max() of the per-token k and crashes on a step
+            # where no request drafted; with nothing to warp there is nothing to do.
+            target_logits = apply_sampling_constraints(
+                target_logits, metadata.cu_num_draft_tokens, sampling_metadata
+            )
         target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
 
         output_token_ids = self._verify(metadata, draft_probs, target_probs,

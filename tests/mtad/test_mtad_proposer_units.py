@@ -1,0 +1,63 @@
+"""Engine-free pieces of the in-vLLM MTAD drafter."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_specx.glue.mtad_proposer import (
+    MTADDraftStats,
+    MTADProposer,
+    lexicographic_order,
+    mtad_settings,
+)
+
+
+def test_lexicographic_order_sorts_tails_per_row():
+    g = torch.Generator().manual_seed(0)
+    tails = torch.randint(0, 3, (6, 5, 3), generator=g)
+    order = lexicographic_order(tails)
+    for r in range(6):
+        rows = [tuple(tails[r, b].tolist()) for b in order[r].tolist()]
+        assert rows == sorted(rows)
+        assert sorted(order[r].tolist()) == list(range(5))
+
+
+def test_settings_come_from_additional_config():
+    cfg = SimpleNamespace(additional_config={"specx": {"method": "mtad", "num_beams": 8}})
+    assert mtad_settings(cfg)["num_beams"] == 8
+    assert mtad_settings(SimpleNamespace(additional_config=None)) == {}
+
+
+def fake_proposer(**flags):
+    base = dict(use_heterogeneous_vocab=False, parallel_drafting=False, uses_mrope=False)
+    base.update(flags)
+    return SimpleNamespace(**base)
+
+
+def parallel(dp=1, dcp=1):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=dp, decode_context_parallel_size=dcp)
+    )
+
+
+def test_unsupported_setups_are_refused_with_reasons():
+    MTADProposer._refuse_unsupported(fake_proposer(), parallel())  # supported: no error
+    with pytest.raises(NotImplementedError, match="heterogeneous vocab"):
+        MTADProposer._refuse_unsupported(fake_proposer(use_heterogeneous_vocab=True), parallel())
+    with pytest.raises(NotImplementedError, match="data parallelism"):
+        MTADProposer._refuse_unsupported(fake_proposer(), parallel(dp=2))
+    with pytest.raises(NotImplementedError, match="parallel drafting"):
+        MTADProposer._refuse_unsupported(fake_proposer(parallel_drafting=True), parallel())
+
+
+def test_stats_full_recompute_formula():
+    s = MTADDraftStats()
+    s.record(num_reqs=3, k=4, b=8, first=20, tail=50, passes=24)
+    s.record(num_reqs=2, k=4, b=8, first=10, tail=40, passes=24)
+    d = s.as_dict()
+    assert d["requests"] == 5 and d["rounds"] == 2
+    assert d["full_recompute_tail_tokens"] == 5 * 8 * 4 * 3 // 2
+    assert d["tail_tokens"] == 90 and d["first_pass_tokens"] == 30
