@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent(
         }
 
     if __name__ == "__main__":
-        target, draft, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+        target, draft = sys.argv[1], sys.argv[2]
+        prompts, max_tokens = json.loads(sys.argv[3]), int(sys.argv[4])
         llm = LLM(model=target, dtype="float32", enforce_eager=True, block_size=32,
                   kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0,
                   disable_log_stats=False,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 
 _lock = threading.Lock()
 _library: Any = None  # the torch.library.Library; kept alive or the ops vanish

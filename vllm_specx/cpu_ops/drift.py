@@ -43,7 +43,7 @@ from vllm_specx.cpu_ops.schemas import (
     supported_releases,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 
 ALLOW_DRIFT_ENV = "VLLM_SPECX_CPU_OPS_ALLOW_DRIFT"
 DOCS = "docs/cpu-reference-backend.md"

@@ -30,7 +30,7 @@ import torch
 from vllm_specx.cpu_ops.spec_decode import expand_kernel_impl
 from vllm_specx.glue.patch import VllmPatch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 
 
 def compute_slot_mapping_kernel(

@@ -33,7 +33,7 @@ from typing import Any
 
 from vllm_specx.glue.patch import VllmPatch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 
 
 def _tolerant_rebind(overrides: list[tuple[Any, Any]]) -> None:

@@ -14,7 +14,7 @@ from vllm_specx.config import SPECX_CONFIG_KEY, SpecxConfigError, translate
 from vllm_specx.glue.patch import VllmPatch, env_flag
 from vllm_specx.methods import METHODS
 
-logger = logging.getLogger("vllm_specx")
+logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
 
 def vllm_method_names() -> list[str]:

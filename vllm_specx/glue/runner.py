@@ -14,7 +14,7 @@ from typing import Any
 from vllm_specx.config import SpecxConfigError
 from vllm_specx.methods import METHODS
 
-logger = logging.getLogger("vllm_specx")
+logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
 # specx method -> "module:Class" of its proposer (constructed like vLLM's proposers:
 # ``Class(vllm_config, device, runner)``). A method ships when it is listed here and
