@@ -1,0 +1,217 @@
+"""``vllm-specx bench``: the command line of the benchmark.
+
+    vllm-specx bench                                   # fixture pair, default configs
+    vllm-specx bench --config '{"method": "mtad", "num_beams": 8, "name": "mtad B=8"}'
+    vllm-specx bench --target T --draft D --prompts p.jsonl --max-tokens 128 -o out/r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUTPUT = Path("bench-out") / "report.json"
+DEFAULT_NUM_PROMPTS = 8
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_K = 4
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` to the ``vllm-specx`` sub-commands (called by ``vllm_specx.cli``)."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark speculative configurations on the real vLLM engine",
+        description=(
+            "Run the vLLM engine offline on the platform present, once without speculation "
+            "and once per speculative configuration, over a prompt set; report verification "
+            "and discard rates, block efficiency, acceptance, padding, perplexity, wall clock "
+            "and the projected speed-up from measured per-forward costs (SpecDec++ eq. 2.3). "
+            "Writes a JSON report, a markdown table and PNG plots. The defaults (fixture "
+            f"pair, {DEFAULT_NUM_PROMPTS} held-out prompts x {DEFAULT_MAX_TOKENS} tokens, "
+            "ngram and draft_model with K=4 plus the available specx methods) take a few "
+            "minutes on a laptop CPU."
+        ),
+    )
+    p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUTPUT,
+                   help="JSON report path; the markdown table and the PNG plots are written "
+                   "next to it (same stem); default: %(default)s")
+    p.add_argument("--config", action="append", default=None, metavar="JSON",
+                   help="a speculative configuration to run, the dict you would pass to vLLM's "
+                   "speculative_config (repeatable); an optional \"name\" key labels it; "
+                   "without \"model\" it gets --draft (except model-free methods such as "
+                   "ngram). Replaces the default configurations; the baseline always runs")
+    p.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
+                   help="prompt file: one JSON string or {\"prompt\": ...} object per line "
+                   "(default: the fixture pair's held-out prompts)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"use the first N prompts (default: {DEFAULT_NUM_PROMPTS} held-out "
+                   "prompts, or every prompt of --prompts)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature, 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="top-k sampling, 0 = off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="top-p sampling, 1 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="request i is sampled with seed + i; also the engine seed unless "
+                   "--engine-args sets one (default: %(default)s)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-tokens tokens (equal lengths across configs)")
+    p.add_argument("--target", type=Path, default=None,
+                   help="target model directory (default: the fixture target)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="default draft model directory (default: the fixture draft)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
+                   help="K of the default configurations, ignored with --config "
+                   "(default: %(default)s)")
+    p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
+                   help="extra vllm.LLM keyword arguments for every engine, e.g. "
+                   "'{\"enforce_eager\": false, \"max_model_len\": 2048}' (defaults: "
+                   "vllm_specx.testing.engine.CPU_ENGINE_DEFAULTS)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"vllm-specx bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _has_nvidia_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no bindings, no driver: no GPU
+        return False
+
+
+def prepare_environment(verbose: bool) -> None:
+    """Environment vLLM reads at import: quiet logs, and its CPU platform when no GPU."""
+    if not verbose:
+        # vLLM's start-up warnings (missing tcmalloc, Triton, ...) would bury the results.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if "VLLM_TARGET_DEVICE" not in os.environ and not _has_nvidia_gpu():
+        from vllm_specx.testing.engine import ensure_cpu_env
+
+        ensure_cpu_env()
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; 0 on success, 1 if a configuration
+    failed (the others are still reported), 2 on bad arguments."""
+    from vllm_specx.bench.configs import (
+        default_configs,
+        default_name,
+        parse_config_arg,
+        unique_names,
+        with_default_draft,
+    )
+    from vllm_specx.bench.prompts import default_prompts, read_jsonl
+    from vllm_specx.bench.runner import Sampling
+
+    if args.max_tokens < 1:
+        return _fail("--max-tokens must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        return _fail("--num-prompts must be >= 1")
+    if args.temperature < 0:
+        return _fail("--temperature must be >= 0")
+    try:
+        engine_overrides = json.loads(args.engine_args) if args.engine_args else {}
+    except json.JSONDecodeError as exc:
+        return _fail(f"--engine-args is not JSON: {exc.msg}")
+    if not isinstance(engine_overrides, dict):
+        return _fail("--engine-args must be a JSON object")
+    engine_overrides.setdefault("seed", args.seed)
+
+    try:
+        parsed = [parse_config_arg(text) for text in (args.config or [])]
+    except ValueError as exc:
+        return _fail(str(exc))
+    if not args.config:
+        parsed = [(None, cfg) for cfg in default_configs(args.num_speculative_tokens)]
+
+    target, draft = args.target, args.draft
+    if target is None or (draft is None and _any_needs_draft(parsed)):
+        from vllm_specx.fixtures import fixture_model_dirs
+
+        try:
+            fx_target, fx_draft = fixture_model_dirs()
+        except FileNotFoundError as exc:
+            return _fail(f"{exc} (or pass --target and --draft)")
+        target = target or fx_target
+        draft = draft or fx_draft
+
+    try:
+        if args.prompts is not None:
+            prompt_set = read_jsonl(args.prompts, args.num_prompts)
+        else:
+            prompt_set = default_prompts(args.num_prompts or DEFAULT_NUM_PROMPTS)
+        configs = [with_default_draft(cfg, str(draft) if draft else None) for _, cfg in parsed]
+    except (OSError, ValueError) as exc:
+        return _fail(str(exc))
+    names = unique_names(
+        name or default_name(cfg, str(draft) if draft else None)
+        for (name, _), cfg in zip(parsed, configs)
+    )
+
+    prepare_environment(args.verbose)
+    from vllm_specx.bench.core import BenchOptions, run_benchmark
+    from vllm_specx.bench.report import markdown_table, write_plots
+
+    opts = BenchOptions(
+        target=str(target),
+        draft=str(draft) if draft else None,
+        configs=list(zip(names, configs)),
+        prompts=prompt_set,
+        sampling=Sampling(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        ),
+        engine_overrides=engine_overrides,
+    )
+    report = run_benchmark(opts, log=_log)
+
+    out: Path = args.output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    table = markdown_table(report)
+    stem = out.with_suffix("")
+    md_path = stem.with_name(stem.name + ".md")
+    md_path.write_text(table, encoding="utf-8")
+    written = [out, md_path]
+    if not args.no_plots:
+        written += write_plots(report, stem)
+    print(table)
+    _log("[bench] wrote " + ", ".join(str(p) for p in written))
+    failed = [c["name"] for c in report["configs"] if "error" in c]
+    if failed:
+        _log(f"[bench] configurations that failed: {failed}")
+        return 1
+    return 0
+
+
+def _any_needs_draft(parsed: list[tuple[str | None, dict[str, Any]]]) -> bool:
+    from vllm_specx.bench.configs import needs_default_draft
+
+    return any(needs_default_draft(cfg) for _, cfg in parsed)

@@ -1,0 +1,256 @@
+"""Presenting a benchmark report: the markdown table and the PNG plots.
+
+Works on the report dict alone (the JSON written to disk), so a saved report can be
+re-rendered without running anything.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+from typing import Any
+
+PLOT_SUFFIXES = {
+    "acceptance": "_acceptance.png",
+    "speedup_vs_block_efficiency": "_speedup_vs_block_efficiency.png",
+    "perplexity_vs_speedup": "_perplexity_vs_speedup.png",
+}
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    # (header, key, digits)
+    ("config", "name", 0),
+    ("method", "method", 0),
+    ("K", "num_speculative_tokens", 0),
+    ("tokens", "generated_tokens", 0),
+    ("target fwd", "target_forward_passes", 0),
+    ("verif. rate", "verification_rate", 3),
+    ("discard rate", "discard_rate", 3),
+    ("block eff.", "block_efficiency", 3),
+    ("mean acc. len", "mean_acceptance_length", 3),
+    ("padding", "padding_ratio", 3),
+    ("perplexity", "perplexity", 2),
+    ("wall s", "wall_s", 2),
+    ("tok/s", "tokens_per_s", 1),
+    ("proj. speed-up", "projected_speedup", 3),
+    ("model-time speed-up", "model_time_speedup", 3),
+    ("wall speed-up", "measured_speedup", 3),
+)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The results as a markdown document: one row per configuration, then the context
+    needed to read it (platform, models, prompts, costs, formula)."""
+    header = [h for h, _, _ in TABLE_COLUMNS] + ["acceptance per position"]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
+    ]
+    for cfg in report.get("configs", []):
+        cells = [_fmt(cfg.get(key), digits) for _, key, digits in TABLE_COLUMNS]
+        per_pos = cfg.get("acceptance_per_position") or []
+        cells.append(" ".join(f"{p:.2f}" for p in per_pos) if per_pos else "–")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+
+    plat = report.get("platform", {})
+    models = report.get("models", {})
+    prompts = report.get("prompts", {})
+    sampling = report.get("sampling", {})
+    costs = report.get("forward_costs", {})
+    versions = report.get("versions", {})
+    target_cost = (costs.get("target") or {}).get("seconds")
+    notes = [
+        "",
+        f"- platform: {plat.get('description', '?')}; vLLM {versions.get('vllm')}, "
+        f"vllm-specx {versions.get('vllm_specx')}; {report.get('date', '')}",
+        f"- target: {_model_line(models.get('target'))}; "
+        f"default draft: {_model_line(models.get('draft'))}",
+        f"- prompts: {prompts.get('count')} from {prompts.get('source')} "
+        f"(sha256 {str(prompts.get('sha256', ''))[:12]}); max_tokens {sampling.get('max_tokens')}, "
+        f"temperature {sampling.get('temperature')}, top_k {sampling.get('top_k')}, "
+        f"top_p {sampling.get('top_p')}, seed {sampling.get('seed')}",
+        f"- per-forward cost: target {_fmt(target_cost, 5)} s"
+        + "".join(
+            f"; draft of {name} {_fmt((c or {}).get('seconds'), 5)} s"
+            for name, c in (costs.get("drafts") or {}).items()
+        )
+        + f" ({costs.get('method', '')})",
+        f"- {report.get('formulas', {}).get('projected_speedup', '')}",
+    ]
+    if plat.get("device_type") == "cpu":
+        notes.append(
+            "- wall-clock numbers on the CPU reference backend measure Python overhead more "
+            "than model work; compare configurations by the rates and the projected speed-up"
+        )
+    return "\n".join(lines + notes) + "\n"
+
+
+def _model_line(info: Any) -> str:
+    """``path`` (model type, layers, hidden size) from the report's model summary."""
+    if not isinstance(info, dict):
+        return f"`{info}`" if info else "none"
+    shape = ", ".join(
+        f"{label} {info[key]}"
+        for key, label in (("num_hidden_layers", "layers"), ("hidden_size", "hidden"),
+                           ("vocab_size", "vocab"))
+        if key in info
+    )
+    kind = info.get("model_type", "")
+    details = ", ".join(x for x in (kind, shape) if x)
+    return f"`{info.get('path')}`" + (f" ({details})" if details else "")
+
+
+def plot_paths(stem: Path) -> dict[str, Path]:
+    return {k: stem.with_name(stem.name + suffix) for k, suffix in PLOT_SUFFIXES.items()}
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _label(name: str, width: int = 30) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def _subtitle(report: dict[str, Any]) -> str:
+    plat = report.get("platform", {})
+    sampling = report.get("sampling", {})
+    text = (
+        f"{plat.get('device_type', '?')}: {plat.get('device_name', '?')} · "
+        f"{report.get('prompts', {}).get('count')} prompts × {sampling.get('max_tokens')} "
+        f"tokens · temperature {sampling.get('temperature')}"
+    )
+    return "\n".join(textwrap.wrap(text, 110))
+
+
+def _points(configs: list[dict[str, Any]], xkey: str, ykey: str) -> list[tuple[int, str, float,
+                                                                               float]]:
+    """(colour index, name, x, y) of the configurations where both values are numbers; the
+    colour index is the configuration's position, so a configuration keeps its colour
+    across the three plots."""
+    out = []
+    for i, cfg in enumerate(configs):
+        x, y = _num(cfg.get(xkey)), _num(cfg.get(ykey))
+        if x is not None and y is not None:
+            out.append((i, str(cfg.get("name")), x, y))
+    return out
+
+
+def _scatter(ax: Any, points: list[tuple[int, str, float, float]], *, marker: str = "o",
+             annotate: bool = True, label: bool = True) -> None:
+    if not points:
+        return
+    xs = [p[2] for p in points]
+    mid = (min(xs) + max(xs)) / 2
+    for k, (i, name, x, y) in enumerate(points):
+        ax.scatter([x], [y], s=70, marker=marker, color=f"C{i % 10}", zorder=3,
+                   label=name if label else None)
+        if annotate:
+            # Points of the right half are labelled to their left, and labels alternate
+            # above/below, so that neighbours (e.g. equal perplexities) stay readable.
+            right = x > mid and len(points) > 1
+            below = k % 2 == 1
+            ax.annotate(_label(name), (x, y), textcoords="offset points",
+                        xytext=(-7 if right else 7, -12 if below else 6),
+                        ha="right" if right else "left", fontsize=8, color=f"C{i % 10}")
+
+
+def _finish(fig: Any, ax: Any, path: Path, extra_handles: list[Any] | None = None) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    for h in extra_handles or []:
+        handles.append(h)
+        labels.append(h.get_label())
+    if handles:
+        # Below the axes: long configuration names must not cover the data.
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  ncol=2 if len(labels) > 3 else 1, fontsize=8, frameon=False)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def write_plots(report: dict[str, Any], stem: Path) -> list[Path]:
+    """Three PNGs next to the report; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    configs = report.get("configs", [])
+    paths = plot_paths(stem)
+    subtitle = _subtitle(report)
+
+    # 1. acceptance rate per draft position
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    drawn = 0
+    for i, cfg in enumerate(configs):
+        rates = cfg.get("acceptance_per_position") or []
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", color=f"C{i % 10}",
+                    label=str(cfg.get("name")))
+            drawn += 1
+    ax.set_title("Acceptance rate per draft position\n" + subtitle, fontsize=10)
+    ax.set_xlabel("draft position (1 = first drafted token)")
+    ax.set_ylabel("P(accepted | drafted at this position)")
+    ax.set_ylim(-0.03, 1.03)
+    if drawn:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    else:
+        ax.text(0.5, 0.5, "no speculative configuration drafted", ha="center",
+                transform=ax.transAxes)
+    _finish(fig, ax, paths["acceptance"])
+    plt.close(fig)
+
+    # 2. speed-up vs block efficiency: projected (dots) and measured wall clock (crosses)
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    _scatter(ax, _points(configs, "block_efficiency", "projected_speedup"))
+    _scatter(ax, _points(configs, "block_efficiency", "model_time_speedup"), marker="^",
+             annotate=False, label=False)
+    _scatter(ax, _points(configs, "block_efficiency", "measured_speedup"), marker="x",
+             annotate=False, label=False)
+    ax.axhline(1.0, color="grey", ls="--", lw=1)
+    ax.set_title("Speed-up over no speculation vs block efficiency\n" + subtitle, fontsize=10)
+    ax.set_xlabel("block efficiency (generated tokens per target forward)")
+    ax.set_ylabel("speed-up (×)")
+    _finish(fig, ax, paths["speedup_vs_block_efficiency"], extra_handles=[
+        Line2D([], [], marker="o", ls="", color="black", label="projected (SpecDec++ eq. 2.3)"),
+        Line2D([], [], marker="^", ls="", color="black",
+               label="measured model time (forwards only)"),
+        Line2D([], [], marker="x", ls="", color="black", label="measured wall clock"),
+        Line2D([], [], ls="--", color="grey", label="no speed-up"),
+    ])
+    plt.close(fig)
+
+    # 3. perplexity vs projected speed-up
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    pts = _points(configs, "projected_speedup", "perplexity")
+    _scatter(ax, pts)
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    if pts:
+        lo, hi = min(p[3] for p in pts), max(p[3] for p in pts)
+        pad = max((hi - lo) * 0.15, abs(hi) * 0.01, 1e-3)
+        ax.set_ylim(lo - pad, hi + pad)
+    ax.set_title("Perplexity of the generated text under the target vs projected speed-up\n"
+                 + subtitle, fontsize=10)
+    ax.set_xlabel("projected speed-up (×)")
+    ax.set_ylabel("perplexity (lower is better)")
+    _finish(fig, ax, paths["perplexity_vs_speedup"])
+    plt.close(fig)
+    return list(paths.values())
