@@ -117,5 +117,7 @@ def test_vllm_spec_decode_metrics_report_mtad_acceptance(mtad_run):
     generated = len(PROMPTS) * MAX_TOKENS
     assert drafts > 0 and drafted == 3 * drafts  # MTAD always drafts K tokens
     assert 0 < accepted < drafted  # the trained pair agrees often, not always
-    # every target step emits its accepted drafts plus one token
-    assert accepted + drafts <= generated
+    # Each request gets one token from its prefill, then accepted drafts + 1 per verify
+    # step; its last step may overshoot max_tokens by up to K tokens, which vLLM trims.
+    trimmed = len(PROMPTS) + accepted + drafts - generated
+    assert 0 <= trimmed <= 3 * len(PROMPTS)

@@ -252,7 +252,8 @@ def test_vllm_serve_with_mtad_serves_a_completion(tmp_path):
          "--dtype", "float32", "--enforce-eager", "--block-size", "32",
          "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "256",
          "--speculative-config", json.dumps(spec)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "INFO"},
     )
     base = f"http://127.0.0.1:{port}"
     try:
