@@ -179,7 +179,6 @@ PASSTHROUGH_VLLM_KEYS: frozenset[str] = frozenset(
         "max_model_len",
         "revision",
         "code_revision",
-        "use_heterogeneous_vocab",
         "draft_load_config",
         "enforce_eager",
     }
@@ -193,6 +192,8 @@ CONFLICTING_VLLM_KEYS: dict[str, str] = {
     "prompt_lookup_max": "it belongs to vLLM's ngram method",
     "prompt_lookup_min": "it belongs to vLLM's ngram method",
     "parallel_drafting": "specx drafters draft sequentially",
+    "use_heterogeneous_vocab": "specx drafters need the target's vocabulary (a beam's "
+    "joint likelihood is compared token by token)",
 }
 
 

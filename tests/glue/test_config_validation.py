@@ -127,6 +127,8 @@ BAD_CASES = [
      ['"prompt_lookup_max"] = 4', "vLLM's ngram method"], "cpu"),
     ("rejection-method-on-mtad", {**M, "rejection_sample_method": "synthetic"},
      ['"rejection_sample_method"] = "synthetic"', "specx sampler"], "cpu"),
+    ("heterogeneous-vocab", {**M, "use_heterogeneous_vocab": True},
+     ['"use_heterogeneous_vocab"] = true', "target's vocabulary"], "cpu"),
     ("unknown-key", {**M, "beams": 4}, ['"beams"] = 4', "unknown key", "num_beams"], "cpu"),
     ("unsupported-vllm-field", {**M, "num_speculative_tokens_per_batch_size": "1:4"},
      ['"num_speculative_tokens_per_batch_size"] = "1:4"', "not supported with specx methods",
@@ -209,6 +211,7 @@ def test_mtad_translates_to_draft_model_with_defaults():
 def test_hyphenated_keys_and_passthrough():
     result = run({"method": "mtad", "model": "d", "num-speculative-tokens": 2, "num_beams": 2,
                   "draft_tensor_parallel_size": 1, "max_model_len": 256})
+    assert "use_heterogeneous_vocab" not in result.vllm_speculative_config
     assert result.vllm_speculative_config == {
         "method": "draft_model", "model": "d", "num_speculative_tokens": 2,
         "draft_tensor_parallel_size": 1, "max_model_len": 256,
