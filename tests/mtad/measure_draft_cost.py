@@ -9,7 +9,9 @@ it runs the same requests and reports, per request and drafting round:
 * full recompute: the same without reuse, B*K*(K-1)/2 (exact, counted by the proposer);
 * vanilla: K-1, what chain drafting spends after its first pass;
 * draft forward passes per round: 1 + B*(K-1) (vanilla: K);
-* accepted tokens per target pass (block efficiency) for the configuration.
+* accepted tokens per target pass (block efficiency) for the configuration;
+* draft wall time per drafting round (the whole ``propose`` call, all requests of the
+  batch; this machine, so only the ratios between rows carry over).
 
 Usage (from the repository root)::
 
@@ -25,6 +27,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -86,8 +89,20 @@ def main() -> None:
             max_num_batched_tokens=256,
             max_num_seqs=args.requests,
         )
+        propose_seconds = [0.0]
+        timed = eng.drafter.propose
+
+        def propose(*a, _timed=timed, _acc=propose_seconds, **kw):
+            start = time.perf_counter()
+            try:
+                return _timed(*a, **kw)
+            finally:
+                _acc[0] += time.perf_counter() - start
+
+        eng.drafter.propose = propose
         try:
             for b in (1, 2, 4, 8):
+                seconds_before = propose_seconds[0]
                 eng.drafter.num_beams = b
                 before = eng.drafter.stats.as_dict()
                 params = [
@@ -116,6 +131,8 @@ def main() -> None:
                     "vanilla_tail_per_req_round": k - 1,
                     "draft_passes_per_round": 1 + d["tail_forward_passes"] / d["rounds"],
                     "tokens_per_target_pass": generated / max(1, req_rounds),
+                    "draft_ms_per_round": 1000 * (propose_seconds[0] - seconds_before)
+                    / max(1, d["rounds"]),
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -124,15 +141,16 @@ def main() -> None:
     print()
     print(
         "| K | B | first pass | tail (reuse) | tail (full recompute) | vanilla tail |"
-        " draft passes/round | tokens/target pass |"
+        " draft passes/round | draft ms/round | tokens/target pass |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['K']} | {r['B']} | {r['first_pass_tokens_per_req_round']:.2f} | "
             f"{r['tail_tokens_per_req_round']:.2f} | "
             f"{r['full_recompute_tail_per_req_round']:.0f} | "
             f"{r['vanilla_tail_per_req_round']} | {r['draft_passes_per_round']:.1f} | "
+            f"{r['draft_ms_per_round']:.1f} | "
             f"{r['tokens_per_target_pass']:.2f} |"
         )
     if args.json:
