@@ -16,6 +16,7 @@ work, and the wall clock reports the rest.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform as _platform
@@ -100,6 +101,15 @@ def _model_summary(path: str | None) -> dict[str, Any] | None:
         for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
             if key in cfg:
                 info[key] = cfg[key]
+    # Which weights were measured: two runs compare only if these hashes agree.
+    weights = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if weights:
+        digest = hashlib.sha256()
+        for file in weights:
+            with open(file, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+        info["weights_sha256"] = digest.hexdigest()
     return info
 
 

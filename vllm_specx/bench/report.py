@@ -112,6 +112,8 @@ def _model_line(info: Any) -> str:
     )
     kind = info.get("model_type", "")
     details = ", ".join(x for x in (kind, shape) if x)
+    if info.get("weights_sha256"):
+        details += f", weights sha256 {info['weights_sha256'][:12]}"
     return f"`{info.get('path')}`" + (f" ({details})" if details else "")
 
 
