@@ -7,6 +7,8 @@ neither Triton nor a GPU. ROCm reports device type "cuda" and runs the same kern
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_specx.backends.base import Backend, DeviceLimits
@@ -14,21 +16,8 @@ from vllm_specx.backends.base import Backend, DeviceLimits
 __all__ = ["BACKEND", "verify"]
 
 
-def verify(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    exp_noise: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None = None,
-    draft_token_probs: torch.Tensor | None = None,
-    acceptance_threshold: float = 1.0,
-) -> torch.Tensor:
-    """Triton verification (contract of :func:`vllm_specx.algorithms.verify.verify`).
+def verify(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Triton verification (contract: :class:`vllm_specx.backends.base.VerifyFn`).
 
     Two launches: a token-parallel acceptance kernel and a per-request kernel that
     scans the drafts, samples the one extra token and writes the output row.
@@ -36,20 +25,7 @@ def verify(
     """
     from vllm_specx.backends import triton_verify  # lazy: Triton only when used
 
-    return triton_verify.verify(
-        rule,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        target_probs,
-        bonus_probs,
-        is_greedy,
-        uniforms,
-        exp_noise,
-        max_spec_len,
-        draft_probs=draft_probs,
-        draft_token_probs=draft_token_probs,
-        acceptance_threshold=acceptance_threshold,
-    )
+    return triton_verify.verify(*args, **kwargs)
 
 
 BACKEND = Backend(
