@@ -21,8 +21,8 @@ Pipeline (each step is a ``--stage``; later stages read what earlier ones left b
     Self-distillation data as in seed 004, in miniature: the target continues the same train
     prompts at temperatures 0, 0.3, 0.7 and 1.0 (pure temperature sampling, no top-k/top-p).
 ``draft``
-    Pretrain a 2-layer, hidden-128 Llama draft briefly on raw text, then finetune it on the
-    distilled continuations (loss on the generated tokens only).
+    Pretrain a 2-layer, hidden-128 Llama draft on raw text (a few minutes), then finetune it
+    on the distilled continuations (loss on the generated tokens only).
 ``report``
     Reload both saved directories as a user would and write ``REPORT.json``: held-out
     perplexities, greedy per-token agreement of the pair on target greedy continuations of the
@@ -35,16 +35,19 @@ tokenizer_config.json, special_tokens_map.json), ``heldout_prompts.jsonl`` and
 ``REPORT.json``. Intermediate files (token streams, distilled data, the pretrained draft)
 live in ``--work-dir`` (default ``.cache/fixture_build``, git-ignored).
 
-Runtime: the full build is about 15-20 minutes of wall time on 2 CPU cores with
-``torch.set_num_threads(2)`` (tokenizer ~1 min, target ~9 min, distill ~2 min, draft ~4 min,
-report ~1 min) and more when the cores are shared; the measured times of the last build are
-in ``REPORT.json``. ``--quick`` trains a toy pair for a few steps (well under a minute) and is
-meant for smoke tests into a temporary ``--out``.
+Runtime (measured on the project's 2-core machine shared with other jobs, 1 torch thread, bf16
+autocast): 12-25 minutes of wall time for the full build, depending on the load from other
+jobs (load average 3-8): tokenizer ~15 s, target 8-16 min, distill ~1 min, draft 3-5 min,
+report ~0.5 min. The last full build's wall time, the load average at its start and every
+stage's time are in ``REPORT.json``. One torch thread on purpose: on the shared machine two
+OpenMP threads ran 2-3x slower than one. ``--quick`` trains a toy pair for a few steps (about
+5-20 s) and is meant for smoke tests into a temporary ``--out``.
 
 Determinism: every random choice comes from a fixed seed (``--seed``, default 1234): file split
 and snippet choice hash the relative path, batches and sampling use seeded
 ``torch.Generator`` objects. Re-running on the same machine, torch version, thread count and
-Python stdlib gives the same weights; other CPUs may differ in the last bits of float32 math.
+Python stdlib gives the same weights; other CPUs may differ in the last bits of float math, and
+CPUs without native bf16 train in plain float32 (``--autocast auto``): same recipe, other bits.
 
 Usage::
 
@@ -116,18 +119,19 @@ class BuildConfig:
     max_position_embeddings: int = 1024
     target: ModelShape = ModelShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768)
     draft: ModelShape = ModelShape(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384)
-    target_steps: int = 550
-    target_batch: int = 16
-    target_lr: float = 2e-3
-    draft_pretrain_steps: int = 250
-    draft_pretrain_batch: int = 16
+    # Many small steps: this early in training, updates matter more than batch size.
+    target_steps: int = 1000
+    target_batch: int = 8
+    target_lr: float = 3e-3
+    draft_pretrain_steps: int = 800
+    draft_pretrain_batch: int = 8
     draft_pretrain_lr: float = 3e-3
-    distill_prompts: int = 512  # per temperature; the same prompts at every temperature
+    distill_prompts: int = 384  # per temperature; the same prompts at every temperature
     distill_prompt_len: int = 32  # tokens, bos included
     distill_new_tokens: int = 96
     distill_batch: int = 128
     distill_temperatures: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
-    draft_finetune_steps: int = 600
+    draft_finetune_steps: int = 300
     draft_finetune_batch: int = 32
     draft_finetune_lr: float = 1.5e-3
     weight_decay: float = 0.01
@@ -135,6 +139,8 @@ class BuildConfig:
     eval_windows: int = 128  # held-out windows of seq_len tokens for the perplexity
     agree_new_tokens: int = 64  # target greedy continuation length per held-out prompt
     log_every: int = 25
+    threads: int = 1
+    autocast: str = "auto"  # auto: bf16 where the CPU has native bf16, else off
 
 
 QUICK = BuildConfig(
@@ -173,6 +179,15 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 present: without them bf16 autocast is emulated and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def path_hash(seed: int, rel: str) -> int:
@@ -325,6 +340,10 @@ def build_tokenizer(cfg: BuildConfig, texts: list[str], out_dir: Path) -> None:
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
     )
     out_dir.mkdir(parents=True, exist_ok=True)
+    if tok.get_vocab_size() != cfg.vocab_size:
+        # The model configs use cfg.vocab_size; a corpus too small for that many merges would
+        # leave embedding rows no token can reach.
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, want {cfg.vocab_size}")
     tok.save(str(out_dir / "tokenizer.json"))
     # Written by hand rather than by save_pretrained: transformers 5 would name its own
     # backend class, which older transformers cannot load. clean_up_tokenization_spaces must be
@@ -382,7 +401,17 @@ def stage_tokenizer(cfg: BuildConfig, paths: Paths) -> None:
     paths.out.mkdir(parents=True, exist_ok=True)
     with open(paths.prompts, "w", encoding="utf-8") as f:
         for i, rec in enumerate(records):
-            f.write(json.dumps({"id": i, **rec}, ensure_ascii=False) + "\n")
+            # The stdlib text itself stays out of the repository: store where it is and a
+            # hash; vllm_specx.fixtures reads it back from the local stdlib.
+            ref = {
+                "id": i,
+                "source": rec["source"],
+                "line": rec["line"],
+                "prompt_chars": len(rec["prompt"]),
+                "text_chars": len(rec["text"]),
+                "sha256": hashlib.sha256(rec["text"].encode("utf-8")).hexdigest(),
+            }
+            f.write(json.dumps(ref) + "\n")
     train_chars = sum(len(t) for t in train_texts)
     info = {
         "seconds": round(time.time() - t0, 1),
@@ -500,7 +529,10 @@ def train_loop(
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         input_ids, labels = next_batch(step)
-        loss = model(input_ids=input_ids, labels=labels).loss
+        # Mixed precision only for the matmuls (weights, grads and optimizer state stay fp32,
+        # and the saved models are fp32); on CPUs with AMX/AVX512-BF16 this is ~1.7x faster.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+            loss = model(input_ids=input_ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -522,18 +554,27 @@ def train_loop(
         "peak_lr": lr,
         "trained_tokens": tokens,
         "final_loss": round(sum(tail) / len(tail), 4),
+        "autocast": cfg.autocast,
+        "threads": cfg.threads,
         "seconds": round(time.time() - t0, 1),
     }
 
 
 def window_sampler(stream: torch.Tensor, seq_len: int, batch: int, seed: int) -> Any:
-    """Random seq_len windows of the token stream; windows may start mid-file, as in eval."""
+    """Random windows of the token stream, each bos + (seq_len - 1) tokens.
+
+    bos opens every window, not just every file: prompts at inference (vLLM, the tokenizer)
+    always start with bos and then usually continue mid-file, so bos has to mean "start of
+    context". Trained only at file starts, the first models answered every prompt with the
+    comment banner that opens a file.
+    """
     gen = torch.Generator().manual_seed(seed)
     stream = stream.long()
+    bos = torch.zeros(1, dtype=torch.long)
 
     def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, stream.numel() - seq_len, (batch,), generator=gen)
-        x = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+        x = torch.stack([torch.cat([bos, stream[s : s + seq_len - 1]]) for s in starts.tolist()])
         return x, x
 
     return next_batch
@@ -706,9 +747,12 @@ def stage_draft(cfg: BuildConfig, paths: Paths, reuse_pretrain: bool) -> None:
 
 @torch.no_grad()
 def window_perplexity(model: Any, stream: torch.Tensor, seq_len: int, n_windows: int) -> float:
-    """Perplexity over the first n non-overlapping seq_len windows of the held-out stream."""
-    n = min(n_windows, stream.numel() // seq_len)
-    x = stream[: n * seq_len].long().view(n, seq_len)
+    """Perplexity over the first n non-overlapping windows of the held-out stream, each
+    bos + (seq_len - 1) tokens as in training; every non-bos token is predicted once."""
+    body = seq_len - 1
+    n = min(n_windows, stream.numel() // body)
+    x = stream[: n * body].long().view(n, body)
+    x = torch.cat([torch.zeros(n, 1, dtype=torch.long), x], dim=1)
     nll, count = 0.0, 0
     for b in range(0, n, 16):
         chunk = x[b : b + 16]
@@ -838,6 +882,32 @@ def agreement_stats(
     }
 
 
+@torch.no_grad()
+def natural_text_agreement(
+    target: Any, draft: Any, tokenizer: Any, texts: list[str], max_tokens: int
+) -> dict[str, Any]:
+    """Greedy agreement teacher-forced on real held-out code instead of target output.
+
+    The target's greedy continuations drift into repetitive, easy-to-copy text; on real text
+    both models are often unsure, so this is the harder, more text-like view of agreement.
+    """
+    per_text, all_match = [], []
+    for text in texts:
+        ids = torch.tensor([tokenizer(text)["input_ids"][:max_tokens]])
+        t_next = target(input_ids=ids).logits[0, :-1].argmax(-1)
+        d_next = draft(input_ids=ids).logits[0, :-1].argmax(-1)
+        match = (t_next == d_next).tolist()
+        per_text.append(sum(match) / len(match))
+        all_match.extend(match)
+    mean = sum(all_match) / len(all_match)
+    return {
+        "positions": len(all_match),
+        "greedy_agreement": round(mean, 4),
+        "per_token_std": round(math.sqrt(mean * (1 - mean)), 4),
+        "per_text": summarize(per_text),
+    }
+
+
 def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
     import safetensors
     import tokenizers
@@ -847,7 +917,13 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(paths.target)
     target, draft = load_model(paths.target), load_model(paths.draft)
-    records = [json.loads(line) for line in paths.prompts.read_text().splitlines() if line]
+    from vllm_specx.fixtures import materialise_heldout  # the text, read back from the stdlib
+
+    records = [
+        materialise_heldout(json.loads(line))
+        for line in paths.prompts.read_text().splitlines()
+        if line
+    ]
     heldout_ids = torch.load(paths.work / "heldout_ids.pt")
     models: dict[str, Any] = {}
     for name, model, path in (("target", target, paths.target), ("draft", draft, paths.draft)):
@@ -882,6 +958,9 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
     agreement = agreement_stats(
         target, draft, tokenizer, [r["prompt"] for r in records], cfg.agree_new_tokens
     )
+    agreement["natural_text"] = natural_text_agreement(
+        target, draft, tokenizer, [r["text"] for r in records], cfg.seq_len
+    )
     log(f"report: agreement {json.dumps(agreement)}")
     report = load_report(paths)
     stages = report.get("stages", {})
@@ -894,12 +973,14 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
             "models": models,
             "agreement": agreement,
             "eval": {
-                "heldout_ppl": f"first {cfg.eval_windows} windows of {cfg.seq_len} tokens of "
-                "the held-out files' token stream",
+                "heldout_ppl": f"first {cfg.eval_windows} consecutive windows of the held-out "
+                f"files' token stream, each bos + {cfg.seq_len - 1} tokens",
                 "heldout_prompt_text_ppl": "the 'text' field of heldout_prompts.jsonl, "
                 f"tokenized with bos and cut to {cfg.seq_len} tokens, all tokens pooled",
                 "agreement": f"target greedy continuation ({cfg.agree_new_tokens} tokens, cut "
-                "at eos) of each stored prompt; teacher-forced argmax of draft vs target",
+                "at eos) of each stored prompt; teacher-forced argmax of draft vs target. "
+                "agreement.natural_text: the same comparison teacher-forced on the stored "
+                "held-out texts (real code rather than the target's own output)",
             },
             "total_size_bytes": sum(m["dir_bytes"] for m in models.values()),
             "build_config": dataclasses.asdict(cfg),
@@ -955,6 +1036,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="toy sizes and a few steps (smoke test)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument(
+        "--autocast",
+        choices=("auto", "bf16", "off"),
+        default=None,
+        help="bf16 autocast for training matmuls (default auto: on with native CPU bf16)",
+    )
+    ap.add_argument(
+        "--threads", type=int, choices=(1, 2), default=None, help="torch threads (default 1)"
+    )
+    ap.add_argument(
         "--reuse-draft-pretrain",
         action="store_true",
         help="draft stage: finetune the pretrained draft kept in the work dir instead of "
@@ -968,6 +1058,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else BuildConfig()
     if args.seed is not None:
         cfg = dataclasses.replace(cfg, seed=args.seed)
+    if args.threads is not None:
+        cfg = dataclasses.replace(cfg, threads=args.threads)
+    autocast = args.autocast or cfg.autocast
+    if autocast == "auto":
+        autocast = "bf16" if cpu_has_native_bf16() else "off"
+    cfg = dataclasses.replace(cfg, autocast=autocast)
     out = (args.out or REPO_ROOT / "fixtures" / "models").resolve()
     if args.work_dir is not None:
         work = args.work_dir.resolve()
@@ -979,14 +1075,18 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.stage or ["all"])
     stages = [s for s in STAGES if "all" in wanted or s in wanted]
 
-    # Two threads at most: the build shares a small machine and must be reproducible.
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # A fixed thread count, because float reductions (and so the weights) depend on it. One
+    # by default: on a shared 2-core machine two OpenMP threads spin against other jobs and
+    # ran 2-3x slower than one in measurements; an idle machine gains ~1.6x from --threads 2.
+    torch.set_num_threads(cfg.threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-tensor "Loading weights" bars flood the build log
     torch.manual_seed(cfg.seed)
     log(f"build: stages {stages} out {out} work {work} python {sys.version.split()[0]}")
     t0 = time.time()
+    # Other jobs on a shared machine stretch the stage times; the load explains a slow build.
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     for stage in stages:
         ts = time.time()
         if stage == "tokenizer":
@@ -1001,7 +1101,17 @@ def main(argv: list[str] | None = None) -> int:
             report = stage_report(cfg, paths)
             print(json.dumps(report, indent=2, sort_keys=True))
         log(f"stage {stage} took {time.time() - ts:.1f}s")
-    log(f"build: done in {time.time() - t0:.1f}s")
+    wall = time.time() - t0
+    log(f"build: done in {wall:.1f}s")
+    if stages == list(STAGES) and paths.report.exists():
+        # Kept only for complete builds: a partial rerun says nothing about the whole.
+        report = load_report(paths)
+        report["full_build"] = {
+            "wall_seconds": round(wall, 1),
+            "load_average_at_start": load_at_start,
+            "cpu_count": os.cpu_count(),
+        }
+        paths.report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 0
 
 

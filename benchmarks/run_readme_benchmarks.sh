@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The benchmark runs behind the README's tables (fixture pair, the platform present).
+# Usage: bash benchmarks/run_readme_benchmarks.sh [OUT_DIR]   (default: bench-out/readme)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+OUT="${1:-bench-out/readme}"
+mkdir -p "$OUT"
+DM='{"method":"draft_model","num_speculative_tokens":%s,"name":"draft_model K=%s"}'
+
+# 1. vLLM's own methods: no speculation, draft_model K=2/4/8, ngram; greedy and T=1.
+for T in 0 1; do
+  vllm-specx bench --temperature "$T" --ignore-eos -o "$OUT/vllm_methods_T$T.json" \
+    --config "$(printf "$DM" 2 2)" --config "$(printf "$DM" 4 4)" --config "$(printf "$DM" 8 8)" \
+    --config '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2,"name":"ngram K=4"}'
+done
+
+# 2. MTAD at T=1, top-k 20, top-p 0.9 (the paper's setting), K=4, against vLLM's
+#    draft_model with greedy drafts (its default) and with sampled drafts (speculative
+#    sampling, the paper's baseline). 16 prompts to tame perplexity noise.
+CFGS=(--config "$(printf "$DM" 4 4)"
+      --config '{"method":"draft_model","num_speculative_tokens":4,"draft_sample_method":"probabilistic","name":"spec. sampling K=4"}')
+for B in 1 2 4 8; do for TAU in 0.05 0.1 0.3 0.5 0.9; do
+  CFGS+=(--config "{\"method\":\"mtad\",\"num_speculative_tokens\":4,\"num_beams\":$B,\"acceptance_threshold\":$TAU,\"name\":\"mtad B=$B tau=$TAU\"}")
+done; done
+vllm-specx bench --temperature 1 --top-k 20 --top-p 0.9 --num-prompts 16 --ignore-eos \
+  -o "$OUT/mtad_T1.json" "${CFGS[@]}"
+
+# 3. MTAD at T=0: greedy requests are verified greedily (tau has no effect), so only B.
+CFGS=(--config "$(printf "$DM" 4 4)")
+for B in 1 2 4 8; do
+  CFGS+=(--config "{\"method\":\"mtad\",\"num_speculative_tokens\":4,\"num_beams\":$B,\"name\":\"mtad B=$B\"}")
+done
+vllm-specx bench --temperature 0 --ignore-eos -o "$OUT/mtad_T0.json" "${CFGS[@]}"
+
+# 4. MTAD draft cost per round for K in {2,4,8}, B in {1,2,4,8}.
+python tests/mtad/measure_draft_cost.py --json "$OUT/mtad_draft_cost.json" | tee "$OUT/mtad_draft_cost.md"
