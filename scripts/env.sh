@@ -1,4 +1,4 @@
-# Shared by demo.sh and test.sh: set up the venv (once) and pick the platform.
+# Shared by bench.sh and test.sh: set up the venv (once) and pick the platform.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=setup_env.sh
 source "$ROOT/scripts/setup_env.sh"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for this checkout: a .venv at the repo root with the pinned vLLM
-# and vllm-specx (editable) installed. Sourced by scripts/demo.sh and scripts/test.sh;
+# and vllm-specx (editable) installed. Sourced (via scripts/env.sh) by scripts/bench.sh and scripts/test.sh;
 # a second run finds its stamp and installs nothing.
 #
 # CPU hosts (no nvidia-smi): pip resolves vLLM's torch pin to the CPU build of torch,

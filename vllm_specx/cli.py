@@ -1,7 +1,6 @@
 """``vllm-specx``: the command line of the plugin.
 
     vllm-specx methods     the specx methods, their knobs and defaults
-    vllm-specx demo        a short offline generation through the plugin
     vllm-specx bench       the benchmark (see ``vllm-specx bench --help``)
 """
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 
 
@@ -37,55 +35,6 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(",
-]
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    """Generate a few completions without and with speculation, and compare them."""
-    from vllm_specx.fixtures import fixture_model_dirs
-    from vllm_specx.testing.engine import ensure_cpu_env, running_llm
-
-    ensure_cpu_env()
-    from vllm import SamplingParams
-
-    target, draft = fixture_model_dirs()
-    configs: list[tuple[str, dict | None]] = [("no speculation", None)]
-    if args.config:
-        configs += [(c, json.loads(c)) for c in args.config]
-    else:
-        from vllm_specx.methods import METHODS
-
-        configs.append(("vLLM draft_model K=4", {"method": "draft_model", "model": str(draft),
-                                                  "num_speculative_tokens": 4}))
-        for name, spec in METHODS.items():
-            if spec.available and spec.needs_draft_model:
-                configs.append((f"specx {name}", {"method": name, "model": str(draft)}))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    baseline: list[str] | None = None
-    for label, spec in configs:
-        if spec is not None and "model" not in spec and spec.get("method") != "ngram":
-            spec = {**spec, "model": str(draft)}
-        with running_llm(target, speculative_config=spec) as llm:
-            start = time.perf_counter()
-            outs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-        texts = [o.outputs[0].text for o in outs]
-        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-        same = "" if baseline is None else (
-            "  (identical to no speculation)" if texts == baseline else "  (differs)")
-        print(f"== {label}: {ntok} tokens in {wall:.2f} s{same}")
-        if baseline is None:
-            baseline = texts
-            for prompt, text in zip(DEMO_PROMPTS, texts):
-                print(f"--- {prompt!r}\n{prompt}{text}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-specx",
@@ -98,14 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("methods", help="list the specx methods, knobs and defaults")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_methods)
-
-    p = sub.add_parser("demo", help="a short offline generation through the plugin, "
-                       "on the platform present, with the project's fixture models")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--config", action="append",
-                   help="speculative config JSON to run (repeatable); default: vLLM "
-                   "draft_model and every available specx method")
-    p.set_defaults(func=_cmd_demo)
 
     try:
         from vllm_specx.bench.cli import add_bench_parser

@@ -51,3 +51,18 @@ def test_package_imports_without_torch_npu_or_triton_being_imported():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "False"]
     assert set(BACKEND_MODULES) == {"cuda", "npu", "cpu"}
+
+
+def test_methods_command_lists_methods_and_knobs():
+    exe = Path(sys.executable).with_name("vllm-specx")
+    out = subprocess.run([str(exe), "methods", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    listed = json.loads(out.stdout)
+    assert listed["mtad"]["available"] is True and listed["mtad"]["lossless"] is False
+    assert listed["mtad"]["knobs"]["num_beams"]["allowed"] == "an integer >= 1"
+    assert listed["adaptive"]["available"] is False
+    text = subprocess.run([str(exe), "methods"], capture_output=True, text=True, timeout=120)
+    assert defaults_table_markdown() in text.stdout
