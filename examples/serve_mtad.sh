@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 TARGET="${1:-fixtures/models/target}"
 DRAFT="${2:-fixtures/models/draft}"
 command -v nvidia-smi >/dev/null || export VLLM_TARGET_DEVICE=cpu
-vllm serve "$TARGET" --host 127.0.0.1 --port 8000 --enforce-eager \
+vllm serve "$TARGET" --host 127.0.0.1 --port 8000 --enforce-eager --dtype float32 \
   --kv-cache-memory-bytes $((256 << 20)) \
   --speculative-config "{\"method\": \"mtad\", \"model\": \"$DRAFT\", \"num_speculative_tokens\": 4, \"num_beams\": 2}" &
 SERVER=$!
