@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 import triton
@@ -291,23 +292,6 @@ def verify_with_num_accepted(
     return out, num_accepted
 
 
-def verify(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    exp_noise: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None = None,
-    draft_token_probs: torch.Tensor | None = None,
-    acceptance_threshold: float = 1.0,
-) -> torch.Tensor:
+def verify(*args: Any, **kwargs: Any) -> torch.Tensor:
     """Triton implementation of :func:`vllm_specx.algorithms.verify.verify` (same contract)."""
-    out, _ = verify_with_num_accepted(
-        rule, draft_token_ids, cu_num_draft_tokens, target_probs, bonus_probs, is_greedy,
-        uniforms, exp_noise, max_spec_len, draft_probs, draft_token_probs, acceptance_threshold,
-    )  # fmt: skip
-    return out
+    return verify_with_num_accepted(*args, **kwargs)[0]
