@@ -144,6 +144,7 @@ def translate(
             )
 
     settings: dict[str, Any] = {"method": name, "num_speculative_tokens": num_tokens}
+    vllm_knobs: dict[str, Any] = {}
     for knob in spec.knobs:
         given = knob.name in config
         value = config.get(knob.name, knob.default)
@@ -157,6 +158,11 @@ def translate(
                         knob.name, value,
                         f'it only applies with "{other}": {_fmt(needed)}', name,
                     )
+        if knob.vllm_field:
+            # vLLM's own setting: it goes to vLLM's config (when given), not to ours.
+            if given:
+                vllm_knobs[knob.name] = value
+            continue
         settings[knob.name] = value
 
     _check_cross_knob(settings, spec, limits, device, model)
@@ -168,6 +174,7 @@ def translate(
         vllm_config["num_speculative_tokens"] = num_tokens
     for key in sorted(PASSTHROUGH_VLLM_KEYS & config.keys()):
         vllm_config[key] = config[key]
+    vllm_config.update(vllm_knobs)
 
     if check_available and not spec.available:
         raise SpecxConfigError(

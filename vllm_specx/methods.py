@@ -26,6 +26,9 @@ class Knob:
     # Knobs only meaningful when another knob has a value (e.g. mtp's stop rule needs
     # ``adaptive: true``): (knob name, required value).
     requires: tuple[str, Any] | None = None
+    # A vLLM SpeculativeConfig field that a specx method also takes: validated here like
+    # any knob, then handed to vLLM's config unchanged (not to the specx settings only).
+    vllm_field: bool = False
 
     def type_ok(self, value: Any) -> bool:
         # bool is a subclass of int in Python: `true` must not pass as a count.
@@ -111,6 +114,12 @@ CONFIDENCE_THRESHOLD = Knob(
     "under this",
     _open_unit,
 )
+HETEROGENEOUS_VOCAB = Knob(
+    "use_heterogeneous_vocab", "bool", False, "true or false",
+    "vLLM's setting for a draft with another tokenizer: drafts stay inside the shared "
+    "vocabulary and token ids are translated both ways",
+    vllm_field=True,
+)
 MTP_ADAPTIVE = Knob(
     "adaptive", "bool", False, "true or false",
     "stop MTP drafting per request with the adaptive stop rule",
@@ -136,7 +145,7 @@ METHODS: dict[str, MethodSpec] = {
             lossless=False,
             needs_draft_model=True,
             default_num_speculative_tokens=4,
-            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD),
+            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, HETEROGENEOUS_VOCAB),
             available=True,
         ),
         MethodSpec(
@@ -195,14 +204,21 @@ CONFLICTING_VLLM_KEYS: dict[str, str] = {
     "prompt_lookup_max": "it belongs to vLLM's ngram method",
     "prompt_lookup_min": "it belongs to vLLM's ngram method",
     "parallel_drafting": "specx drafters draft sequentially",
-    "use_heterogeneous_vocab": "specx drafters need the target's vocabulary (a beam's "
-    "joint likelihood is compared token by token)",
+    # Taken by mtad (a knob there); the unshipped drafters have no vocabulary mapping yet.
+    "use_heterogeneous_vocab": "only 'mtad' maps between draft and target vocabularies",
 }
 
 
 def knob_owners(name: str) -> list[str]:
-    """Which specx methods take a knob (for "belongs to another method" errors)."""
-    return [m.name for m in METHODS.values() if m.knob(name) is not None]
+    """Which specx methods own a knob (for "belongs to another method" errors).
+
+    vLLM fields that a specx method also takes are vLLM's, not owned by specx: with a
+    vLLM method (or none) they must reach vLLM untouched.
+    """
+    return [
+        m.name for m in METHODS.values()
+        if (knob := m.knob(name)) is not None and not knob.vllm_field
+    ]
 
 
 def defaults_table_markdown() -> str:

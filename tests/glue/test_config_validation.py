@@ -127,8 +127,10 @@ BAD_CASES = [
      ['"prompt_lookup_max"] = 4', "vLLM's ngram method"], "cpu"),
     ("rejection-method-on-mtad", {**M, "rejection_sample_method": "synthetic"},
      ['"rejection_sample_method"] = "synthetic"', "specx sampler"], "cpu"),
-    ("heterogeneous-vocab", {**M, "use_heterogeneous_vocab": True},
-     ['"use_heterogeneous_vocab"] = true', "target's vocabulary"], "cpu"),
+    ("heterogeneous-vocab-not-bool", {**M, "use_heterogeneous_vocab": "yes"},
+     ['"use_heterogeneous_vocab"] = "yes"', "true or false"], "cpu"),
+    ("heterogeneous-vocab-on-adaptive", {**A, "use_heterogeneous_vocab": True},
+     ['"use_heterogeneous_vocab"] = true', "only 'mtad'"], "cpu"),
     ("unknown-key", {**M, "beams": 4}, ['"beams"] = 4', "unknown key", "num_beams"], "cpu"),
     ("unsupported-vllm-field", {**M, "num_speculative_tokens_per_batch_size": "1:4"},
      ['"num_speculative_tokens_per_batch_size"] = "1:4"', "not supported with specx methods",
@@ -217,6 +219,21 @@ def test_hyphenated_keys_and_passthrough():
         "draft_tensor_parallel_size": 1, "max_model_len": 256,
     }
     assert result.specx_settings["num_beams"] == 2
+
+
+def test_mtad_hands_heterogeneous_vocab_to_vllm():
+    result = run({"method": "mtad", "model": "d", "use_heterogeneous_vocab": True})
+    assert result.vllm_speculative_config["use_heterogeneous_vocab"] is True
+    assert result.vllm_speculative_config["method"] == "draft_model"
+    assert "use_heterogeneous_vocab" not in result.specx_settings
+
+
+@pytest.mark.parametrize("method", ["draft_model", None])
+def test_heterogeneous_vocab_stays_vllms_key_for_vllm_methods(method):
+    config = {"model": "d", "use_heterogeneous_vocab": True}
+    if method is not None:
+        config["method"] = method
+    assert run(config) is None
 
 
 def test_adaptive_translation():

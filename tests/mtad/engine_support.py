@@ -8,13 +8,16 @@ rejection sampler).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
-from mtad_reference import tiny_llama
+from mtad_reference import hf_beam_draft, last_logits, tiny_llama
 
 VOCAB = 96
 
@@ -113,6 +116,7 @@ def start_engine(
     num_speculative_tokens: int,
     num_beams: int,
     acceptance_threshold: float = 0.1,
+    spec_extra: dict[str, Any] | None = None,
     **llm_kwargs: Any,
 ) -> Engine:
     """Start a small in-process CPU engine with MTAD drafting (the engine must run in this
@@ -135,6 +139,107 @@ def start_engine(
         "num_speculative_tokens": num_speculative_tokens,
         "num_beams": num_beams,
         "acceptance_threshold": acceptance_threshold,
+        **(spec_extra or {}),
     }
     llm = make_llm(target, speculative_config=spec, **kwargs)
     return Engine(llm)
+
+
+@dataclass
+class DraftVocab:
+    """The id translation between a target and a draft with another tokenizer, built
+    from ground truth (the tokenizer rewrite), independently of vLLM's ``VocabMapping``.
+
+    ``to_draft[t]``: draft id of target token t, or ``fallback`` when the draft lacks it
+    (vLLM's rule: the draft's unk, else its EOS). ``to_target[d]``: target id of draft
+    token d, -1 for draft-only tokens.
+    """
+
+    to_draft: torch.Tensor
+    to_target: torch.Tensor
+
+    @classmethod
+    def from_source_ids(cls, source_id: list[int], target_vocab: int, fallback: int):
+        to_target = torch.tensor(source_id)
+        to_draft = torch.full((target_vocab,), fallback)
+        shared = to_target >= 0
+        to_draft[to_target[shared]] = torch.arange(len(source_id))[shared]
+        return cls(to_draft=to_draft, to_target=to_target)
+
+    def draft_ids(self, target_ids: list[int]) -> list[int]:
+        return self.to_draft[torch.tensor(target_ids, dtype=torch.long)].tolist()
+
+    def target_ids(self, draft_ids: list[int]) -> list[int]:
+        out = self.to_target[torch.tensor(draft_ids, dtype=torch.long)].tolist()
+        assert -1 not in out, f"a draft-only token was drafted: {draft_ids}"
+        return out
+
+
+class SharedVocabDraft(torch.nn.Module):
+    """An HF draft whose logits are restricted to the tokens the target also has."""
+
+    def __init__(self, draft: torch.nn.Module, vocab: DraftVocab) -> None:
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("draft_only", vocab.to_target < 0)
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        logits = self.draft(input_ids=input_ids).logits
+        return SimpleNamespace(logits=logits.masked_fill(self.draft_only, float("-inf")))
+
+
+# Greedy replays are deterministic: memoise them (rounds repeat across runs).
+_REPLAYS: dict[tuple, tuple[list[int], list[float]]] = {}
+
+
+def check_rounds_against_reference(
+    eng: Engine,
+    seqs: dict[str, list[int]],
+    prompt_lens: dict[str, int],
+    draft: torch.nn.Module,
+    warpings: dict[str, Any],
+    k: int,
+    vocab: DraftVocab | None = None,
+) -> tuple[int, int]:
+    """Replay every recorded round with the HF drafter.
+
+    Greedy rounds: the HF beam search from the same context must draft the same tokens
+    with the same q. Sampled rounds: q_j must be the warped draft probability of the
+    drafted token given the context and the beam's own earlier tokens. With ``vocab``
+    (a draft with another tokenizer; ``draft`` then restricted to the shared tokens) the
+    context is translated into draft ids and the drafts back into target ids.
+
+    Rounds of a partially prefilled prompt are skipped: vLLM drafts for them with a
+    placeholder next token and discards the drafts. Returns (checked, skipped partial).
+    """
+    to_draft = vocab.draft_ids if vocab is not None else list
+    to_target = vocab.target_ids if vocab is not None else list
+    checked = partial = 0
+    for rec in eng.records:
+        seq = seqs[rec.req_id]
+        if rec.position < prompt_lens[rec.req_id]:
+            partial += 1
+            continue
+        if rec.position + 1 > len(seq):
+            continue  # a round after the request's last kept token
+        assert seq[rec.position] == rec.next_token, rec
+        context = to_draft(seq[: rec.position + 1])
+        w = warpings[rec.req_id]
+        assert len(rec.tokens) == k and len(rec.q) == k
+        if w.greedy:
+            key = (id(draft), tuple(context), rec.num_beams, k)
+            if key not in _REPLAYS:
+                _REPLAYS[key] = hf_beam_draft(draft, context, rec.num_beams, k, w)
+            want, want_q = _REPLAYS[key]
+            assert rec.tokens == to_target(want), (rec, want)
+            assert rec.q == pytest.approx(want_q, rel=1e-3, abs=1e-5)
+        else:
+            drafted = to_draft(rec.tokens)
+            want_q = []
+            for j, t in enumerate(drafted):
+                ids = torch.tensor([context + drafted[:j]])
+                want_q.append(math.exp(float(w.logprobs(last_logits(draft, ids))[0, t])))
+            assert rec.q == pytest.approx(want_q, rel=1e-3, abs=1e-5)
+            assert all(x > 0 for x in rec.q)
+        checked += 1
+    return checked, partial

@@ -10,12 +10,10 @@ context. Both only hold if the per-beam KV-cache tails are right.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from engine_support import make_tiny_pair, start_engine
-from mtad_reference import Warping, greedy_generate, hf_beam_draft, last_logits
+from engine_support import check_rounds_against_reference, make_tiny_pair, start_engine
+from mtad_reference import Warping, greedy_generate
 
 pytestmark = pytest.mark.engine
 
@@ -44,48 +42,6 @@ def engine(pair):
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 96, (n,), generator=g).tolist() for n in lengths]
-
-
-# Greedy replays are deterministic: memoise them (rounds repeat across runs).
-_REPLAYS: dict[tuple, tuple[list[int], list[float]]] = {}
-
-
-def check_rounds_against_reference(eng, seqs, prompt_lens, draft, warpings, k):
-    """Replay every recorded round with the HF drafter.
-
-    Rounds of a partially prefilled prompt are skipped: vLLM drafts for them with a
-    placeholder next token and discards the drafts. Returns (checked, skipped partial).
-    """
-    checked = partial = 0
-    for rec in eng.records:
-        seq = seqs[rec.req_id]
-        if rec.position < prompt_lens[rec.req_id]:
-            partial += 1
-            continue
-        if rec.position + 1 > len(seq):
-            continue  # a round after the request's last kept token
-        assert seq[rec.position] == rec.next_token, rec
-        context = seq[: rec.position + 1]
-        w = warpings[rec.req_id]
-        assert len(rec.tokens) == k and len(rec.q) == k
-        if w.greedy:
-            key = (id(draft), tuple(context), rec.num_beams, k)
-            if key not in _REPLAYS:
-                _REPLAYS[key] = hf_beam_draft(draft, context, rec.num_beams, k, w)
-            want, want_q = _REPLAYS[key]
-            assert rec.tokens == want, (rec, want)
-            assert rec.q == pytest.approx(want_q, rel=1e-3, abs=1e-5)
-        else:
-            # q_j must be the warped draft probability of the drafted token given the
-            # context and the beam's own earlier tokens.
-            want_q = []
-            for j, t in enumerate(rec.tokens):
-                ids = torch.tensor([context + rec.tokens[:j]])
-                want_q.append(math.exp(float(w.logprobs(last_logits(draft, ids))[0, t])))
-            assert rec.q == pytest.approx(want_q, rel=1e-3, abs=1e-5)
-            assert all(x > 0 for x in rec.q)
-        checked += 1
-    return checked, partial
 
 
 @pytest.mark.parametrize("num_beams", [1, 2, 4])

@@ -39,8 +39,18 @@ Warping: each request's own temperature, top-k and top-p (vLLM's order); greedy 
 Seeded requests draw from their own ``torch.Generator``. Not applied to the draft (as in
 vLLM's own drafter): penalties, bad words, logit bias and other logits processors.
 
-Not supported (refused at construction with the reason): heterogeneous draft/target
-vocabularies, parallel drafting, data parallelism and decode context parallelism.
+Heterogeneous vocabularies (``use_heterogeneous_vocab``, a draft with another
+tokenizer): the base class builds vLLM's ``VocabMapping`` and its first pass already
+feeds the draft the target's tokens translated into draft ids. The beam search then runs
+entirely in draft ids (the tails it writes are draft tokens) on draft logits constrained
+to the shared vocabulary, so every beam is expressible in the target's vocabulary; only
+the chosen beam is translated into target ids. The draft probabilities ``q_j`` stay the
+draft's own (renormalised over the shared vocabulary): the MTAD rule needs only the
+chosen tokens' probabilities, not a distribution over the target's vocabulary, which is
+why sampled requests work here while vLLM's own hetero-vocab drafting is greedy-only.
+
+Not supported (refused at construction with the reason): parallel drafting, data
+parallelism, decode context parallelism and M-RoPE draft models.
 """
 
 from __future__ import annotations
@@ -61,9 +71,10 @@ from vllm_specx.algorithms.beam_draft import (
     recompute_tail_cost,
     warp_logprobs,
 )
+from vllm_specx.methods import NUM_BEAMS
 
 SPECX_KEY = "specx"
-DEFAULT_NUM_BEAMS = 4
+DEFAULT_NUM_BEAMS: int = NUM_BEAMS.default
 
 
 @dataclass
@@ -143,8 +154,6 @@ class MTADProposer(DraftModelProposer):
 
     def _refuse_unsupported(self, vllm_config: Any) -> None:
         reasons = []
-        if self.use_heterogeneous_vocab:
-            reasons.append("draft and target vocabularies differ (heterogeneous vocab)")
         if self.parallel_drafting:
             reasons.append("parallel drafting drafts all positions in one pass, not a beam")
         parallel = vllm_config.parallel_config
@@ -204,8 +213,13 @@ class MTADProposer(DraftModelProposer):
         )
         generators = sampling_metadata.generators or None
 
+        mapping = self.vocab_mapping if self.use_heterogeneous_vocab else None
+
         def warp(lg: torch.Tensor) -> torch.Tensor:
             md = sampling_metadata
+            if mapping is not None:
+                # Draft-only tokens have no target id: no beam may contain one.
+                lg = mapping.constrain_draft_logits(lg)
             if md.temperature is None:
                 # All greedy: vLLM may still carry top-k/top-p rows for them, but greedy
                 # beam search ranks by the unwarped draft log-probs.
@@ -239,6 +253,8 @@ class MTADProposer(DraftModelProposer):
             state = state.apply(selector.result())
 
         draft_tokens, q = state.best()
+        if mapping is not None:
+            draft_tokens = mapping.map_draft_to_target_ids(draft_tokens)
         self._last_draft_probs = q.to(torch.float32).contiguous()
         self.stats.record(num_reqs, k, self.num_beams, first_tokens, tail_tokens, tail_passes)
         return draft_tokens

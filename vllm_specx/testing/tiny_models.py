@@ -275,3 +275,137 @@ def target_and_draft(
     )
     draft = make_truncated_draft(target, root / "draft", keep_layers=draft_layers)
     return ModelPair(target=target, draft=draft)
+
+
+# A Python snippet whose most frequent tokens the draft-only tokens shadow (below): the
+# draft predicts these tokens often, so an unconstrained draft would often pick a shadow.
+SHADOW_TEXT = (
+    "def __init__(self, name, value=None):\n"
+    "        self.name = name\n"
+    "        self.value = value\n"
+    "        if value is None:\n"
+    "            return self.name\n"
+    "        return (self.name, self.value)\n"
+)
+DRAFT_ONLY_TOKEN = "<|draft_only_{}|>"
+
+
+@dataclass(frozen=True)
+class HeterogeneousVocabDraft:
+    """A draft whose tokenizer differs from its source's (see
+    :func:`make_heterogeneous_vocab_draft`)."""
+
+    path: Path
+    # new draft id -> the source id of the same token (-1: a draft-only token)
+    source_id: list[int]
+    dropped: list[str]  # source tokens the new tokenizer does not have
+    draft_only: dict[str, int]  # draft-only token -> the source id it shadows
+
+
+def make_heterogeneous_vocab_draft(
+    draft_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    draft_only_tokens: int = 16,
+    drop_tokens: int = 0,
+    drop_from_text: str | None = None,
+    shadow_scale: float = 1.5,
+) -> HeterogeneousVocabDraft:
+    """Rewrite a byte-level-BPE Llama draft so that its tokenizer differs from the
+    target's the ways real tokenizer pairs do, keeping what the draft computes:
+
+    * ids: every non-special token gets a new id (a seeded permutation);
+    * draft-only tokens: ``draft_only_tokens`` added tokens the target lacks; each one's
+      embedding/LM-head row is ``shadow_scale`` times the row of one of the source's most
+      frequent tokens on :data:`SHADOW_TEXT`, so without vLLM's vocabulary constraint the
+      draft would often prefer a token that has no target id;
+    * target-only tokens: ``drop_tokens`` BPE tokens (leaves of the merge tree, so the
+      rest of the tokenizer still works) are removed with their merges; the target's copy
+      of such a token reaches the draft as vLLM's fallback id. With ``drop_from_text``
+      they are chosen among the leaves that occur in that text's tokenisation, so that a
+      test's prompts surely contain some.
+
+    With ``drop_tokens=0`` the draft restricted to the shared vocabulary computes the
+    source draft's distribution exactly, under other ids: drafts translated back into
+    target ids must equal the source draft's. Special tokens keep their ids.
+    """
+    import random
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+
+    src, out = Path(draft_dir), Path(out_dir)
+    tok_json = json.loads((src / "tokenizer.json").read_text())
+    model = tok_json["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"{src}: expected a BPE tokenizer, got {model.get('type')}")
+    vocab: dict[str, int] = model["vocab"]
+    special_ids = {t["id"] for t in tok_json["added_tokens"]}
+    rng = random.Random(seed)
+
+    source_tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    counts: dict[int, int] = {}
+    for tid in source_tok.encode(SHADOW_TEXT).ids:
+        if tid not in special_ids:
+            counts[tid] = counts.get(tid, 0) + 1
+    shadows = sorted(counts, key=lambda t: (-counts[t], t))[:draft_only_tokens]
+    if len(shadows) < draft_only_tokens:
+        raise ValueError(f"SHADOW_TEXT has only {len(shadows)} distinct tokens")
+
+    merges = [m.split(" ") if isinstance(m, str) else list(m) for m in model["merges"]]
+    used = {part for m in merges for part in m}
+    id_to_token = {i: t for t, i in vocab.items()}
+    leaves = sorted(
+        "".join(m) for m in merges
+        if "".join(m) not in used and vocab["".join(m)] not in set(shadows)
+    )
+    if drop_from_text is not None:
+        present = {id_to_token[i] for i in source_tok.encode(drop_from_text).ids}
+        leaves = [t for t in leaves if t in present]
+    if len(leaves) < drop_tokens:
+        raise ValueError(f"only {len(leaves)} droppable tokens, {drop_tokens} asked for")
+    dropped = rng.sample(leaves, drop_tokens)
+    dropped_set = set(dropped)
+    model["merges"] = [m for m in merges if "".join(m) not in dropped_set]
+
+    movable = [i for i in sorted(id_to_token) if i not in special_ids
+               and id_to_token[i] not in dropped_set]
+    rng.shuffle(movable)
+    source_id = sorted(special_ids) + movable  # new id -> source id
+    if source_id[: len(special_ids)] != list(range(len(special_ids))):
+        raise ValueError("special tokens must be the first ids of the source vocabulary")
+    model["vocab"] = {id_to_token[old]: new for new, old in enumerate(source_id)}
+    draft_only = {}
+    for i, shadow in enumerate(shadows):
+        name = DRAFT_ONLY_TOKEN.format(i)
+        draft_only[name] = shadow
+        tok_json["added_tokens"].append({
+            "id": len(source_id), "content": name, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": False,
+        })
+        source_id.append(-1)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    config = json.loads((src / "config.json").read_text())
+    config["vocab_size"] = len(source_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    weights = load_file(str(src / "model.safetensors"))
+    index = torch.tensor([s if s >= 0 else 0 for s in source_id])
+    rows = torch.tensor(shadows)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            old = weights[name]
+            new = old[index].clone()
+            new[len(source_id) - len(shadows):] = shadow_scale * old[rows]
+            weights[name] = new.contiguous()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return HeterogeneousVocabDraft(
+        path=out, source_id=source_id, dropped=dropped, draft_only=draft_only
+    )
