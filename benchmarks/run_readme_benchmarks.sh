@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/run_readme_benchmarks.sh [OUT_DIR]   (default: bench-out/readme)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
-OUT="${1:-bench-out/readme}"
+OUT="$(realpath -m "${1:-bench-out/readme}")"
 mkdir -p "$OUT"
 DM='{"method":"draft_model","num_speculative_tokens":%s,"name":"draft_model K=%s"}'
 
@@ -34,3 +34,27 @@ vllm-specx bench --temperature 0 --ignore-eos -o "$OUT/mtad_T0.json" "${CFGS[@]}
 
 # 4. MTAD draft cost per round for K in {2,4,8}, B in {1,2,4,8}.
 python tests/mtad/measure_draft_cost.py --json "$OUT/mtad_draft_cost.json" | tee "$OUT/mtad_draft_cost.md"
+
+# 5. MTAD with drafts whose tokenizer differs from the target's (use_heterogeneous_vocab):
+#    the fixture draft under other ids (+16 draft-only tokens), and the same with 64
+#    tokens of the held-out prompts missing; vLLM's draft_model (greedy drafts, the only
+#    kind it supports with another tokenizer) alongside.
+python - "$OUT/hetero" <<'PY'
+import sys
+from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
+from vllm_specx.testing.tiny_models import make_heterogeneous_vocab_draft
+_, draft = fixture_model_dirs()
+make_heterogeneous_vocab_draft(draft, f"{sys.argv[1]}/renumbered", seed=0)
+make_heterogeneous_vocab_draft(draft, f"{sys.argv[1]}/missing64", seed=1, drop_tokens=64,
+                               drop_from_text="\n".join(heldout_prompts(16)))
+PY
+H='"use_heterogeneous_vocab":true'
+for T in 0 1; do
+  vllm-specx bench --temperature "$T" --top-k 20 --top-p 0.9 --num-prompts 16 --ignore-eos \
+    -o "$OUT/mtad_hetero_T$T.json" \
+    --config '{"method":"mtad","name":"mtad, same tokenizer"}' \
+    --config "{\"method\":\"mtad\",\"model\":\"$OUT/hetero/renumbered\",$H,\"name\":\"mtad, renumbered\"}" \
+    --config "{\"method\":\"mtad\",\"model\":\"$OUT/hetero/missing64\",$H,\"name\":\"mtad, 64 missing\"}" \
+    --config "$(printf "$DM" 4 4)" \
+    --config "{\"method\":\"draft_model\",\"num_speculative_tokens\":4,\"model\":\"$OUT/hetero/missing64\",$H,\"name\":\"draft_model K=4, 64 missing\"}"
+done
