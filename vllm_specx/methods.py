@@ -27,7 +27,7 @@ class Knob:
     # ``adaptive: true``): (knob name, required value).
     requires: tuple[str, Any] | None = None
     # A vLLM SpeculativeConfig field that a specx method also takes: validated here like
-    # any knob, then handed to vLLM's config unchanged (not to the specx settings only).
+    # any knob, then handed to vLLM's config unchanged (it is not a specx setting).
     vllm_field: bool = False
 
     def type_ok(self, value: Any) -> bool:

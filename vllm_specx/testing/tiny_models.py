@@ -11,6 +11,9 @@
   vocabulary, and a draft that is the target's first layer(s) with the target's
   embeddings, final norm and LM head, so it agrees with the target often but not
   always (both the accept and the reject paths of speculative decoding run).
+* :func:`make_heterogeneous_vocab_draft` rewrites a draft so that its tokenizer differs
+  from the target's (other ids, draft-only tokens, missing tokens) while what it
+  computes on the shared tokens stays known: the fixture for ``use_heterogeneous_vocab``.
 
 The tokenizer depends only on the training text, which is the listed standard library
 modules of the running Python; it is identical run to run on one interpreter.
@@ -357,9 +360,10 @@ def make_heterogeneous_vocab_draft(
     merges = [m.split(" ") if isinstance(m, str) else list(m) for m in model["merges"]]
     used = {part for m in merges for part in m}
     id_to_token = {i: t for t, i in vocab.items()}
+    shadow_set = set(shadows)
     leaves = sorted(
         "".join(m) for m in merges
-        if "".join(m) not in used and vocab["".join(m)] not in set(shadows)
+        if "".join(m) not in used and vocab["".join(m)] not in shadow_set
     )
     if drop_from_text is not None:
         present = {id_to_token[i] for i in source_tok.encode(drop_from_text).ids}
