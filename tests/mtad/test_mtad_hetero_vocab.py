@@ -228,5 +228,5 @@ def test_without_the_flag_vllm_refuses_a_different_vocabulary(setup):
         model=setup["target"], skip_tokenizer_init=True,
         speculative_config={"method": "mtad", "model": str(setup["renumbered"].path)},
     )
-    with pytest.raises(Exception, match="same vocabulary size"):
+    with pytest.raises(ValueError, match="same vocabulary size"):
         args.create_engine_config()
