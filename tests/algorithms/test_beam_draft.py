@@ -209,15 +209,26 @@ def test_select_matches_enumeration(prev_beams, vocab, num_beams):
     assert not torch.isnan(out.scores).any()
 
 
-def test_dead_beams_never_beat_finite_ones():
-    """Exactly m < B finite candidates: all m are kept, first, for every seed."""
-    rows, prev_beams, vocab, num_beams = 3, 2, 9, 6
-    lp = torch.full((rows, prev_beams, vocab), float("-inf"))
-    finite = {0: [(0, 1), (1, 4)], 1: [(0, 0)], 2: [(0, 3), (0, 5), (1, 8)]}
-    for r, cells in finite.items():
+DEAD_BEAMS_CELLS = {0: [(0, 1), (1, 4)], 1: [(0, 0)], 2: [(0, 3), (0, 5), (1, 8)]}
+
+
+def dead_beam_case() -> tuple[torch.Tensor, torch.Tensor]:
+    """3 rows x 2 previous beams x vocab 9 where only DEAD_BEAMS_CELLS (row -> (beam,
+    token)) are finite: fewer finite candidates than the 6 beams asked for.
+    Returns (scores [3, 2], log-probs [3, 2, 9])."""
+    lp = torch.full((3, 2, 9), float("-inf"))
+    for r, cells in DEAD_BEAMS_CELLS.items():
         for b, v in cells:
             lp[r, b, v] = -1.0 - 0.1 * v
     scores = torch.tensor([[0.0, -2.0], [-1.0, float("-inf")], [-0.5, -0.7]])
+    return scores, lp
+
+
+def test_dead_beams_never_beat_finite_ones():
+    """Exactly m < B finite candidates: all m are kept, first, for every seed."""
+    rows, num_beams = 3, 6
+    scores, lp = dead_beam_case()
+    finite = DEAD_BEAMS_CELLS
     for seed in range(50):
         for greedy_flag in (True, False):
             greedy = torch.full((rows,), greedy_flag)
@@ -355,12 +366,8 @@ def test_streaming_sampled_frequencies_match_joint_probabilities():
 
 def test_streaming_dead_beams_and_seeds():
     rows, prev_beams, vocab, num_beams = 3, 2, 9, 6
-    lp = torch.full((rows, prev_beams, vocab), float("-inf"))
-    finite = {0: [(0, 1), (1, 4)], 1: [(0, 0)], 2: [(0, 3), (0, 5), (1, 8)]}
-    for r, cells in finite.items():
-        for b, v in cells:
-            lp[r, b, v] = -1.0 - 0.1 * v
-    scores = torch.tensor([[0.0, -2.0], [-1.0, float("-inf")], [-0.5, -0.7]])
+    scores, lp = dead_beam_case()
+    finite = DEAD_BEAMS_CELLS
     greedy = torch.zeros(rows, dtype=torch.bool)
     for seed in range(20):
         got = stream(scores, lp, num_beams, greedy, gens({0: seed, 2: seed + 1}), seed=seed)
