@@ -259,6 +259,30 @@ class MTADProposer(DraftModelProposer):
         self.stats.record(num_reqs, k, self.num_beams, first_tokens, tail_tokens, tail_passes)
         return draft_tokens
 
+    def _draft_forward(
+        self,
+        per_layer_attn_metadata: Any,
+        num_tokens: int,
+        padding: tuple[Any, int, Any],
+        slot_mapping: Any,
+        model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """One draft forward pass the way the base class runs one: EPLB bookkeeping, then
+        the model inside vLLM's forward context. ``padding`` is
+        ``_determine_batch_execution_and_padding(num_tokens)``'s result."""
+        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = padding
+        if self.eplb_state is not None:
+            self.eplb_state.prepare_forward(self.draft_model_config, num_tokens)
+        with set_forward_context(
+            per_layer_attn_metadata,
+            self.vllm_config,
+            num_tokens=num_input_tokens,
+            num_tokens_across_dp=num_tokens_across_dp,
+            cudagraph_runtime_mode=cudagraph_runtime_mode,
+            slot_mapping=slot_mapping,
+        ):
+            return self.model(**model_kwargs)
+
     # ----------------------------------------------------------------------------------
     # First pass: the base class's, step by step (its propose() fuses it with chain
     # drafting, so it cannot be called for half of its work).
@@ -296,17 +320,13 @@ class MTADProposer(DraftModelProposer):
         model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
             num_tokens, num_input_tokens, mm_embed_inputs
         )
-        if self.eplb_state is not None:
-            self.eplb_state.prepare_forward(self.draft_model_config, num_tokens)
-        with set_forward_context(
+        hidden_states = self._draft_forward(
             per_layer_attn_metadata,
-            self.vllm_config,
-            num_tokens=num_input_tokens,
-            num_tokens_across_dp=num_tokens_across_dp,
-            cudagraph_runtime_mode=cudagraph_runtime_mode,
-            slot_mapping=self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
-        ):
-            hidden_states = self.model(**model_kwargs)
+            num_tokens,
+            (cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp),
+            self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
+            model_kwargs,
+        )
         sample_positions = self.positions[token_indices_to_sample].clone()
         logits = self.model.compute_logits(hidden_states[token_indices_to_sample])
         return logits, sample_positions, cad, int(num_tokens)
@@ -420,9 +440,8 @@ class _TailWriter:
             _token_to_req_indices_cache=None,
         )
         _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(cad, draft_index=j)
-        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = (
-            p._determine_batch_execution_and_padding(num_tokens)
-        )
+        padding = p._determine_batch_execution_and_padding(num_tokens)
+        num_input_tokens = padding[1]
         p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
         p.positions[:num_tokens] = positions.to(dev)
         if p.supports_mm_inputs:
@@ -430,20 +449,16 @@ class _TailWriter:
             input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
         else:
             input_ids, inputs_embeds = p.input_ids[:num_input_tokens], None
-        if p.eplb_state is not None:
-            p.eplb_state.prepare_forward(p.draft_model_config, num_tokens)
-        with set_forward_context(
+        hidden_states = p._draft_forward(
             per_layer_attn_metadata,
-            p.vllm_config,
-            num_tokens=num_input_tokens,
-            num_tokens_across_dp=num_tokens_across_dp,
-            cudagraph_runtime_mode=cudagraph_runtime_mode,
-            slot_mapping=p._get_slot_mapping(num_input_tokens, slot_mapping),
-        ):
-            hidden_states = p.model(
+            num_tokens,
+            padding,
+            p._get_slot_mapping(num_input_tokens, slot_mapping),
+            dict(
                 input_ids=input_ids,
                 positions=p._get_positions(num_input_tokens),
                 inputs_embeds=inputs_embeds,
-            )
+            ),
+        )
         last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
         return p.model.compute_logits(hidden_states[last])
