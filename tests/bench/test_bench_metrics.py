@@ -266,3 +266,16 @@ def test_draft_forwards_counted_per_round():
     m = config_metrics(two_request_trace(), draft_forwards_per_round=7.0,
                        drafter=DrafterStats(draft_forward_passes=20))
     assert m["draft_forward_passes"] == 20
+
+
+def test_draft_lengths_and_hindsight_oracle():
+    """The two-request trace: drafts 3,3,3 and 3,2 -> mean 14/5, histogram {2: 1, 3: 4}.
+    The oracle drafts only the 8 accepted tokens (one forward each) for the same N = 14 and
+    N_t = 7: T/N = 0.1 * 8/14 + 1.0 * 7/14, so speed-up = 1 / (0.8/14 + 0.5)."""
+    m = config_metrics(two_request_trace(), t_target=1.0, t_draft=0.1)
+    assert m["mean_draft_length"] == pytest.approx(14 / 5)
+    assert m["draft_length_histogram"] == {"2": 1, "3": 4}
+    assert m["oracle_projected_speedup"] == pytest.approx(1 / (0.8 / 14 + 0.5))
+    # The drafter itself paid one forward per drafted token (14): the oracle is faster.
+    assert m["projected_speedup"] == pytest.approx(1 / (1.4 / 14 + 0.5))
+    assert m["oracle_projected_speedup"] > m["projected_speedup"]

@@ -34,6 +34,13 @@ acceptance counters; the engine loop records what each step emitted.
   the position after them). vLLM packs verification ragged and schedules exactly the
   drafted tokens, so the ratio is 0 by construction unless a drafter reports that it
   scheduled more tokens than it really drafted (``DrafterStats``).
+* ``mean_draft_length`` = D / V and ``draft_length_histogram[k]``: verification steps
+  that carried k drafts (adaptive drafters draft different lengths per request and round).
+* ``oracle_projected_speedup``: the hindsight oracle of SpecDec++ (Lemma 2.1) on the same
+  rounds: each round drafts exactly the tokens the target accepted and stops before the
+  first rejection, so it emits the same tokens with the same target forwards, discards
+  nothing and pays one draft forward per accepted token (N_draft = A). An upper bound
+  for any stop rule driving this drafter on these rounds.
 * ``perplexity`` = exp(-sum log p_target(token) / N), token-weighted over all requests,
   from the target's own log-probabilities of the emitted tokens.
 
@@ -204,6 +211,16 @@ def _bump(per_pos: list[int], upto: int) -> None:
         per_pos[i] += 1
 
 
+def draft_length_histogram(traces: Sequence[RequestTrace]) -> dict[str, int]:
+    """{k: verification steps that carried k drafts} over all requests (keys as strings,
+    sorted, so the report's JSON reads the same everywhere)."""
+    hist: dict[int, int] = {}
+    for tr in traces:
+        for k in tr.drafted_per_step:
+            hist[k] = hist.get(k, 0) + 1
+    return {str(k): hist[k] for k in sorted(hist)}
+
+
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
@@ -282,6 +299,9 @@ def config_metrics(
     speedup = projected_speedup(
         verification_rate, draft_forwards / n if n else 0.0, t_target, t_draft
     )
+    oracle_speedup = projected_speedup(
+        verification_rate, c.accepted_tokens / n if n else 0.0, t_target, t_draft
+    )
     tokens_per_s = _ratio(n, wall_s) if wall_s else None
     acc_per_pos = [
         acc / dr for acc, dr in zip(c.accepted_per_position, c.drafted_per_position) if dr
@@ -311,6 +331,8 @@ def config_metrics(
         "draft_acceptance_rate": _ratio(c.accepted_tokens, c.drafted_tokens),
         "padding_ratio": padding_ratio,
         "padding_source": padding_source,
+        "mean_draft_length": _ratio(c.drafted_tokens, c.verification_steps),
+        "draft_length_histogram": draft_length_histogram(traces),
         "perplexity": perplexity(c.logprob_sum, c.logprob_tokens),
         "perplexity_tokens": c.logprob_tokens,
         "wall_s": wall_s,
@@ -321,6 +343,7 @@ def config_metrics(
             else None
         ),
         "projected_speedup": speedup,
+        "oracle_projected_speedup": oracle_speedup,
         "projected_tokens_per_s": (
             speedup * baseline_tokens_per_s
             if speedup is not None and baseline_tokens_per_s

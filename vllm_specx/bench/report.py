@@ -44,10 +44,12 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("block eff.", "block_efficiency", 3),
     ("mean acc. len", "mean_acceptance_length", 3),
     ("padding", "padding_ratio", 3),
+    ("mean draft len", "mean_draft_length", 2),
     ("perplexity", "perplexity", 2),
     ("wall s", "wall_s", 2),
     ("tok/s", "tokens_per_s", 1),
     ("proj. speed-up", "projected_speedup", 3),
+    ("oracle proj. speed-up", "oracle_projected_speedup", 3),
     ("model-time speed-up", "model_time_speedup", 3),
     ("wall speed-up", "measured_speedup", 3),
 )
