@@ -8,12 +8,13 @@ plugin enforces. Set ``VLLM_SPECX_SKIP_VERSION_CHECK=1`` to run on another vLLM
 
 from __future__ import annotations
 
-import os
 from importlib import metadata
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from vllm_specx.envflags import env_flag
 
 SKIP_ENV = "VLLM_SPECX_SKIP_VERSION_CHECK"
 # Used only when the package metadata is unavailable (e.g. running from a source tree).
@@ -38,7 +39,7 @@ def supported_vllm_range() -> SpecifierSet:
 
 def check_vllm_version(installed: str | None = None) -> None:
     """Raise :class:`UnsupportedVllmVersion` unless vLLM is in the supported range."""
-    if os.environ.get(SKIP_ENV, "").strip().lower() in ("1", "true", "yes"):
+    if env_flag(SKIP_ENV):
         return
     if installed is None:
         import vllm

@@ -28,7 +28,6 @@ imports it only when ``verify`` is first called.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 from vllm_specx.algorithms.verify import as_float32_uniforms, check_verify_args
+from vllm_specx.envflags import env_flag
 
 __all__ = ["verify", "verify_with_num_accepted", "interpreter_enabled"]
 
@@ -199,7 +199,7 @@ _JIT_CACHE: dict[bool, tuple] = {}
 
 def interpreter_enabled() -> bool:
     """Whether ``TRITON_INTERPRET`` is set (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return env_flag("TRITON_INTERPRET")
 
 
 def _kernels() -> tuple:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -42,6 +41,7 @@ from vllm_specx.cpu_ops.schemas import (
     ReleaseTable,
     supported_releases,
 )
+from vllm_specx.envflags import env_flag
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 
@@ -68,7 +68,7 @@ class MissingCpuReferenceOpError(AttributeError):
 
 
 def drift_allowed() -> bool:
-    return os.environ.get(ALLOW_DRIFT_ENV, "").strip().lower() in ("1", "true", "yes")
+    return env_flag(ALLOW_DRIFT_ENV)
 
 
 def installed_vllm_version() -> str:

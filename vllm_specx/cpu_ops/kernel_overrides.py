@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vllm_specx.cpu_ops.spec_decode import expand_kernel_impl
-from vllm_specx.glue.patch import VllmPatch
+from vllm_specx.glue.patch_base import VllmPatch
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 

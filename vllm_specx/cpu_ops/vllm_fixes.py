@@ -5,7 +5,7 @@ calls from every worker's ``init_worker``. After swapping a kernel it scans ever
 module in ``sys.modules`` for other references to the original kernel, reading
 ``vars(value).get("kernel")`` of every attribute that has a ``__dict__``.
 
-Each fix is a named :class:`~vllm_specx.glue.patch.VllmPatch` (what it replaces, why,
+Each fix is a named :class:`~vllm_specx.glue.patch_base.VllmPatch` (what it replaces, why,
 verified vLLM range), applied only for the releases whose drift-table entry lists it.
 
 * ``tolerant_kernel_rebind``: some objects answer ``__dict__`` with something that is
@@ -31,7 +31,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from vllm_specx.glue.patch import VllmPatch
+from vllm_specx.glue.patch_base import VllmPatch
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handlers
 

@@ -1,9 +1,11 @@
-"""Explicit, named, version-gated patches of vLLM.
+"""The machinery of vllm-specx's patches of vLLM: :class:`VllmPatch` and a post-import hook.
 
-Every change vllm-specx makes to vLLM is one :class:`VllmPatch` object that says what
-it replaces and why, and the vLLM versions it was checked against. Upgrading vLLM is a
-checklist: for each patch in ``vllm_specx.glue.patches.ALL_PATCHES``, re-read the
-target named in ``target`` and bump ``verified_on``.
+Every change vllm-specx makes to a vLLM attribute is one :class:`VllmPatch` object that
+says what it replaces, why, and the vLLM releases it was checked against
+(``verified_on``). The patches themselves live where their reason lives
+(:mod:`vllm_specx.glue.patches` for the plugin's seams, :mod:`vllm_specx.cpu_ops` for
+the CPU reference backend); :mod:`vllm_specx.glue.touchpoints` lists all of them, with
+every other vLLM touch-point, and holds the upgrade checklist.
 
 Patches on modules that are expensive to import (the model runner) are applied when
 vLLM itself imports the module (a post-import hook), so registering the plugin stays
@@ -16,16 +18,19 @@ import functools
 import importlib
 import importlib.abc
 import importlib.util
-import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
 _lock = threading.RLock()
+
+
+# The vLLM releases every patch was re-read against and tested on (the default of
+# ``VllmPatch.verified_on``). A release joins only after the upgrade checklist in
+# vllm_specx/glue/touchpoints.py was done for it; the touch-point tests fail on a vLLM
+# release that some patch was not verified on.
+VERIFIED_RELEASES: tuple[str, ...] = ("0.32.0",)
 
 
 class PatchTargetMissing(RuntimeError):
@@ -36,15 +41,19 @@ class VllmPatch:
     """A named replacement of one attribute of a vLLM class or module.
 
     Subclasses set ``name``, ``target`` (``"module:Qualified.attr"``), ``replaces``,
-    ``why`` and ``verified_on``, and implement :meth:`wrap`, which receives the original
-    attribute and returns its replacement.
+    ``why``, ``scope`` and ``verified_on``, and implement :meth:`wrap`, which receives
+    the original attribute and returns its replacement.
     """
 
     name: str = ""
     target: str = ""
     replaces: str = ""
     why: str = ""
-    verified_on: str = ">=0.32.0,<0.33"
+    # Where the patch applies: "always" (every process that loads the plugin) or
+    # "cpu-reference" (CPU platform without vLLM's compiled CPU ops); see touchpoints.py.
+    scope: str = "always"
+    # vLLM releases (public versions) whose ``target`` was re-read and tested.
+    verified_on: tuple[str, ...] = VERIFIED_RELEASES
     lazy: bool = False  # apply when vLLM imports the module, not at registration
     # True when the replacement is a whole new function rather than a wrapper: it then
     # keeps its own name and signature (vLLM's kernel dispatcher forwards arguments by
@@ -66,13 +75,6 @@ class VllmPatch:
             owner = getattr(owner, part)
         return owner, attr
 
-    def is_applied(self) -> bool:
-        module = sys.modules.get(self.module_name)
-        if module is None:
-            return False
-        owner, attr = self._owner_and_attr(module)
-        return getattr(owner.__dict__.get(attr), "__specx_patch__", None) == self.name
-
     def apply(self) -> None:
         if self.lazy and self.module_name not in sys.modules:
             _when_imported(self.module_name, self._apply_to)
@@ -88,7 +90,8 @@ class VllmPatch:
 
                 raise PatchTargetMissing(
                     f"vllm-specx patch {self.name} targets {self.target}, which vLLM "
-                    f"{vllm.__version__} does not have (verified on vLLM {self.verified_on})."
+                    f"{vllm.__version__} does not have (verified on vLLM "
+                    f"{', '.join(self.verified_on)}; see vllm_specx/glue/touchpoints.py)."
                 )
             if getattr(raw, "__specx_patch__", None) == self.name:
                 return  # idempotent: vLLM loads plugins several times per process
@@ -120,10 +123,6 @@ class VllmPatch:
             original = getattr(func, "__specx_original__", None)
             if original is not None:
                 setattr(owner, attr, descriptor(original) if descriptor else original)
-
-
-def version_in(spec: str, version: str) -> bool:
-    return SpecifierSet(spec).contains(Version(version), prereleases=True)
 
 
 # -- post-import hooks ---------------------------------------------------------------
@@ -177,6 +176,3 @@ def _when_imported(module_name: str, callback: Callable[[Any], None]) -> None:
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

@@ -11,7 +11,8 @@ import logging
 from typing import Any, get_args
 
 from vllm_specx.config import SPECX_CONFIG_KEY, SpecxConfigError, translate
-from vllm_specx.glue.patch import VllmPatch, env_flag
+from vllm_specx.envflags import env_flag
+from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.methods import METHODS
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
@@ -173,7 +174,7 @@ class RunnerSpecxComponents(VllmPatch):
             original(self_, vllm_config, device, *args, **kw)
             settings = specx_settings(vllm_config)
             if settings:
-                from vllm_specx.glue.runner import install_specx_components
+                from vllm_specx.glue.runner_hook import install_specx_components
 
                 install_specx_components(self_, settings)
 
