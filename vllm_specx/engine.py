@@ -1,9 +1,10 @@
-"""Start vLLM's real engine on a laptop CPU with the right small defaults.
+"""Engine start-up: vLLM's real engine with small defaults that suit a CPU host.
 
-Use from tests or scripts (vLLM may spawn processes, so scripts need an
-``if __name__ == "__main__":`` guard)::
+Product code, used by ``vllm-specx bench`` (and the coming training-data commands) as
+well as by the tests and examples. Scripts need an ``if __name__ == "__main__":`` guard
+(vLLM may spawn processes)::
 
-    from vllm_specx.testing.engine import make_llm, shutdown_llm
+    from vllm_specx.engine import make_llm, shutdown_llm
     llm = make_llm(model_dir, speculative_config={"method": "ngram", ...})
     ...
     shutdown_llm(llm)

@@ -1,7 +1,7 @@
 """Models and engines shared by the end-to-end tests.
 
 Models are built once per session. Engines run in this process
-(``vllm_specx.testing.engine``); each is created the first time a test module asks for
+(``vllm_specx.engine``); each is created the first time a test module asks for
 it and shut down when that module ends, so no engine outlives the tests that use it.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vllm_specx.testing.engine import make_llm, shutdown_llm
+from vllm_specx.engine import make_llm, shutdown_llm
 from vllm_specx.testing.tiny_models import ModelPair, target_and_draft
 
 # Small token budget per step: prompts longer than this are prefilled in chunks.

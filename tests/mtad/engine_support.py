@@ -77,7 +77,7 @@ class Engine:
 
     def close(self) -> None:
         """Shut the engine down so another one can start in this process."""
-        from vllm_specx.testing.engine import shutdown_llm
+        from vllm_specx.engine import shutdown_llm
 
         if not hasattr(self, "llm"):
             return
@@ -121,7 +121,7 @@ def start_engine(
 ) -> Engine:
     """Start a small in-process CPU engine with MTAD drafting (the engine must run in this
     process: the tests read the runner's drafter)."""
-    from vllm_specx.testing.engine import make_llm
+    from vllm_specx.engine import make_llm
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise RuntimeError("MTAD engine tests need VLLM_ENABLE_V1_MULTIPROCESSING=0")

@@ -119,7 +119,7 @@ def _run_mtad(target: str, draft: str, prompts: list[list[int]], hetero: bool) -
 def runs(setup):
     from vllm.inputs import TokensPrompt
 
-    from vllm_specx.testing.engine import running_llm
+    from vllm_specx.engine import running_llm
 
     with running_llm(setup["target"], skip_tokenizer_init=True, **ENGINE_KW) as llm:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in setup["prompts"]],

@@ -69,8 +69,8 @@ def _stop_params(free_runs: list[list[int]], texts: list[str]) -> list[Any]:
 def runs(prompts):
     from vllm import SamplingParams
 
+    from vllm_specx.engine import running_llm
     from vllm_specx.fixtures import fixture_model_dirs
-    from vllm_specx.testing.engine import running_llm
 
     target, draft = (str(p) for p in fixture_model_dirs())
     free = SamplingParams(temperature=0.0, max_tokens=32)

@@ -73,7 +73,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
                    help="extra vllm.LLM keyword arguments for every engine, e.g. "
                    "'{\"enforce_eager\": false, \"max_model_len\": 2048}' (defaults: "
-                   "vllm_specx.testing.engine.CPU_ENGINE_DEFAULTS)")
+                   "vllm_specx.engine.CPU_ENGINE_DEFAULTS)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     p.set_defaults(func=cmd_bench)
@@ -104,7 +104,7 @@ def prepare_environment(verbose: bool) -> None:
         # vLLM's start-up warnings (missing tcmalloc, Triton, ...) would bury the results.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if "VLLM_TARGET_DEVICE" not in os.environ and not _has_nvidia_gpu():
-        from vllm_specx.testing.engine import ensure_cpu_env
+        from vllm_specx.engine import ensure_cpu_env
 
         ensure_cpu_env()
 
@@ -123,8 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unique_names,
         with_default_draft,
     )
+    from vllm_specx.bench.engine_run import Sampling
     from vllm_specx.bench.prompts import default_prompts, read_jsonl
-    from vllm_specx.bench.runner import Sampling
 
     if args.max_tokens < 1:
         return _fail("--max-tokens must be >= 1")

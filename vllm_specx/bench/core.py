@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm_specx.bench.configs import is_model_free
 from vllm_specx.bench.energy import EnergyMeter
+from vllm_specx.bench.engine_run import RunResult, Sampling, run_config
 from vllm_specx.bench.metrics import (
     SPEEDUP_FORMULA,
     DrafterStats,
@@ -38,7 +39,6 @@ from vllm_specx.bench.metrics import (
     model_time_speedup,
 )
 from vllm_specx.bench.prompts import PromptSet
-from vllm_specx.bench.runner import RunResult, Sampling, run_config
 
 SCHEMA = "vllm-specx-bench/1"
 
@@ -376,13 +376,13 @@ def _is_specx(cfg: dict[str, Any]) -> bool:
 
 
 def _engine_default_seed() -> Any:
-    from vllm_specx.testing.engine import CPU_ENGINE_DEFAULTS
+    from vllm_specx.engine import CPU_ENGINE_DEFAULTS
 
     return CPU_ENGINE_DEFAULTS.get("seed")
 
 
 def _engine_settings(overrides: dict[str, Any]) -> dict[str, Any]:
-    from vllm_specx.testing.engine import engine_kwargs
+    from vllm_specx.engine import engine_kwargs
 
     settings = engine_kwargs(**overrides)
     settings.setdefault("disable_log_stats", False)

@@ -1,7 +1,7 @@
 """Run one configuration through the real vLLM engine and record what happened.
 
 One engine per configuration (started with the CPU-friendly defaults of
-:mod:`vllm_specx.testing.engine`, which are valid on any platform, plus the user's
+:mod:`vllm_specx.engine`, which are valid on any platform, plus the user's
 ``--engine-args``). Each run:
 
 1. warms the engine up with one short request (first-call allocations and lazy set-up
@@ -403,7 +403,7 @@ def _start_llm(model: str, overrides: dict[str, Any]) -> Any:
     """An engine with the project's small defaults. On the CPU platform through
     ``make_llm`` (its process settings: in-process engine, one torch thread); elsewhere
     ``vllm.LLM`` directly, since ``make_llm`` would select the CPU platform."""
-    from vllm_specx.testing.engine import engine_kwargs, make_llm
+    from vllm_specx.engine import engine_kwargs, make_llm
 
     if os.environ.get("VLLM_TARGET_DEVICE", "cpu") == "cpu" and not _gpu_platform():
         return make_llm(model, **overrides)
@@ -464,7 +464,7 @@ def run_config(
     drafter_stats: bool = False,
 ) -> RunResult:
     """Start an engine for ``model`` (with ``speculative_config``), run, shut it down."""
-    from vllm_specx.testing.engine import shutdown_llm
+    from vllm_specx.engine import shutdown_llm
 
     overrides = dict(engine_overrides or {})
     overrides.setdefault("disable_log_stats", False)
