@@ -360,3 +360,55 @@ def test_copy_and_expand_eagle_inputs(shift: bool):
     assert new_idx.tolist() == w_new
     if shift:
         assert hidden_map.tolist() == [w_map[i] for i in range(total_in)]
+
+
+def _column(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``[N] -> [N, 1]``: same flat memory, another shape (vLLM's own tests pass these)."""
+    return None if t is None else t.reshape(-1, 1)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_spec_decode_ops_read_flat_memory_like_the_compiled_ops(with_draft_probs: bool):
+    """The compiled ops read 1-D inputs through their data pointer, so ``[N, 1]`` (or
+    ``[B, 1]``) tensors work there; the reference ops must accept them too and give the
+    answers of the flat shapes (vLLM's tests/v1/sample/test_rejection_sampler.py passes
+    ``[N, 1]`` draft ids to ``sample_recovered_tokens``)."""
+    ops = torch.ops._C
+    num_draft = [3, 0, 2, 4]
+    vocab, max_spec = 12, 4
+    gen, draft, target_argmax, cu, bonus = _ragged(num_draft, vocab, seed=7)
+    draft = draft.long()
+    n, b = draft.shape[0], len(num_draft)
+    target_probs = torch.softmax(torch.randn(n, vocab, generator=gen) * 2, dim=-1)
+    draft_probs = (
+        torch.softmax(torch.randn(n, vocab, generator=gen), dim=-1) if with_draft_probs else None
+    )
+    inv_q = torch.empty(b, vocab).exponential_(generator=gen).reciprocal()
+    uniform = torch.rand(n, generator=gen)
+    is_greedy = torch.tensor([True, False, False, True])
+    cu = cu.long()
+
+    def run(shape):
+        recovered = shape(torch.full((n,), -7, dtype=torch.int64))
+        ops.sample_recovered_tokens_kernel_impl(
+            recovered, shape(cu), shape(draft), draft_probs, target_probs, inv_q, vocab,
+            not with_draft_probs,
+        )  # fmt: skip
+        greedy_out = torch.full((b, max_spec + 1), PLACEHOLDER, dtype=torch.int64)
+        ops.rejection_greedy_sample_kernel_impl(
+            greedy_out, shape(cu), shape(draft), shape(target_argmax), bonus,
+            shape(is_greedy), max_spec,
+        )  # fmt: skip
+        random_out = torch.full((b, max_spec + 1), PLACEHOLDER, dtype=torch.int64)
+        ops.rejection_random_sample_kernel_impl(
+            random_out, shape(cu), shape(draft), draft_probs, target_probs, bonus,
+            shape(recovered), shape(uniform), shape(is_greedy), max_spec, vocab,
+            not with_draft_probs,
+        )  # fmt: skip
+        expanded = shape(torch.zeros(n, dtype=torch.int64))
+        ops.expand_kernel_impl(expanded, shape(torch.arange(10, 10 + b)), shape(cu), 11, 99)
+        return [x.reshape(-1).tolist() for x in (recovered, greedy_out, random_out, expanded)]
+
+    flat = run(lambda t: t)
+    assert flat[0] != [-7] * n and flat[3] == [10] * 3 + [12] * 2 + [13] * 4
+    assert run(_column) == flat

@@ -8,12 +8,61 @@ Conventions shared by the kernels:
 * ``cu_num_draft_tokens`` is an *inclusive* cumulative sum, one entry per request;
 * draft/target token arrays are flat over all draft tokens of the batch;
 * outputs are written in place with ``copy_``-style casts, so the ops accept the int32
-  buffers vLLM allocates as well as the int64 copies its adapters make.
+  buffers vLLM allocates as well as the int64 copies its adapters make;
+* per-token and per-request arrays are read as flat memory, as the compiled ops read
+  them through their data pointer: an ``[N, 1]`` tensor works like ``[N]`` (vLLM's own
+  tests pass such shapes). :func:`_flat_arrays` gives each op flat views of them.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
+
+_Op = TypeVar("_Op", bound=Callable[..., None])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of ``t`` sharing its memory, so in-place writes reach the caller.
+
+    Multi-dimensional tensors must be contiguous, as the compiled op assumes when it
+    walks their data pointer (``view`` raises otherwise rather than copying silently).
+    """
+    return t if t.ndim == 1 else t.view(-1)
+
+
+def _flat_arrays(*names: str) -> Callable[[_Op], _Op]:
+    """Decorator: pass the named tensor arguments (None allowed) as flat views."""
+
+    def wrap(op: _Op) -> _Op:
+        signature = inspect.signature(op)
+
+        @functools.wraps(op)
+        def flat_op(*args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(*args, **kwargs)
+            for name in names:
+                value = bound.arguments.get(name)
+                if isinstance(value, torch.Tensor):
+                    bound.arguments[name] = _flat(value)
+            op(*bound.args, **bound.kwargs)
+
+        return flat_op  # type: ignore[return-value]
+
+    return wrap
+
+
+def _first_column(per_request: torch.Tensor) -> torch.Tensor:
+    """``[B]`` or ``[B, k]`` per-request ids -> ``[B]``: element ``r * stride(0)``, as the
+    compiled op reads ``bonus_token_ids`` (vLLM passes ``[B, 1]``)."""
+    return (
+        per_request
+        if per_request.ndim == 1
+        else per_request.reshape(per_request.shape[0], -1)[:, 0]
+    )
 
 
 def _starts_and_counts(cu_inclusive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +133,7 @@ def _emit_accepted_prefix(
     _write_rows(output_token_ids, r, counts[r], bonus[r])
 
 
+@_flat_arrays("cu_num_draft_tokens", "draft_token_ids", "target_argmax", "is_greedy")
 def rejection_greedy_sample_kernel_impl(
     output_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
@@ -107,11 +157,14 @@ def rejection_greedy_sample_kernel_impl(
         else is_greedy[:num_reqs].to(torch.bool)
     )
     accepted = (draft == target) & valid
-    bonus = bonus_token_ids.reshape(-1)[:num_reqs].to(torch.int64)
+    bonus = _first_column(bonus_token_ids)[:num_reqs].to(torch.int64)
     # Accepted positions emit the target token, which equals the draft there.
     _emit_accepted_prefix(output_token_ids, active, counts, accepted, target, target, bonus)
 
 
+@_flat_arrays(
+    "cu_num_draft_tokens", "draft_token_ids", "recovered_token_ids", "uniform_probs", "is_greedy"
+)
 def rejection_random_sample_kernel_impl(
     output_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
@@ -153,10 +206,11 @@ def rejection_random_sample_kernel_impl(
     ok = (flat_draft >= 0) & (p_d > 0) & (p_t / torch.where(p_d > 0, p_d, 1.0) >= u)
     ok_pad, _ = _padded(ok.to(torch.int64), starts, counts, width, 0)
     accepted = ok_pad.bool() & valid
-    bonus = bonus_token_ids.reshape(-1)[:num_reqs].to(torch.int64)
+    bonus = _first_column(bonus_token_ids)[:num_reqs].to(torch.int64)
     _emit_accepted_prefix(output_token_ids, active, counts, accepted, draft, recovered, bonus)
 
 
+@_flat_arrays("output", "input", "cu_num_tokens")
 def expand_kernel_impl(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -178,6 +232,7 @@ def expand_kernel_impl(
     output[:total] = vals[idx].to(output.dtype)
 
 
+@_flat_arrays("output_token_ids", "cu_num_draft_tokens", "draft_token_ids")
 def sample_recovered_tokens_kernel_impl(
     output_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
@@ -210,6 +265,10 @@ def sample_recovered_tokens_kernel_impl(
     output_token_ids[tok] = score.argmax(dim=1).clamp(max=vocab_size - 1).to(output_token_ids.dtype)
 
 
+@_flat_arrays(
+    "cu_num_draft_tokens", "valid_sampled_tokens_count", "query_start_loc_gpu",
+    "token_indices_to_sample", "num_rejected_tokens_gpu",
+)  # fmt: skip
 def eagle_prepare_inputs_padded_kernel_impl(
     cu_num_draft_tokens: torch.Tensor,
     valid_sampled_tokens_count: torch.Tensor,
@@ -228,6 +287,9 @@ def eagle_prepare_inputs_padded_kernel_impl(
     num_rejected_tokens_gpu[:num_reqs] = rejected.to(num_rejected_tokens_gpu.dtype)
 
 
+@_flat_arrays(
+    "discard_request_mask", "backup_next_token_ids", "next_token_ids", "valid_sampled_tokens_count"
+)
 def eagle_prepare_next_token_padded_kernel_impl(
     sampled_token_ids: torch.Tensor,
     discard_request_mask: torch.Tensor,
@@ -255,6 +317,7 @@ def eagle_prepare_next_token_padded_kernel_impl(
     valid_sampled_tokens_count[:num_reqs] = count.to(valid_sampled_tokens_count.dtype)
 
 
+@_flat_arrays("positions", "seq_lens", "out_clamped_positions", "out_slot_mapping")
 def eagle_step_slot_mapping_metadata_kernel_impl(
     positions: torch.Tensor,
     block_table: torch.Tensor,
@@ -285,6 +348,11 @@ def eagle_step_slot_mapping_metadata_kernel_impl(
     seq_lens[:batch] = new_len.to(seq_lens.dtype)
 
 
+@_flat_arrays(
+    "target_token_ids", "target_positions", "next_token_ids", "out_input_ids", "out_positions",
+    "out_is_rejected_token_mask", "out_is_masked_token_mask", "out_new_token_indices",
+    "out_hidden_state_mapping", "query_start_loc", "query_end_loc",
+)  # fmt: skip
 def copy_and_expand_eagle_inputs_kernel_impl(
     target_token_ids: torch.Tensor,
     target_positions: torch.Tensor,
@@ -361,6 +429,7 @@ def copy_and_expand_eagle_inputs_kernel_impl(
         out_hidden_state_mapping[src] = out_idx[is_input].to(out_hidden_state_mapping.dtype)
 
 
+@_flat_arrays("query_start_loc", "positions", "slot_mapping")
 def compute_slot_mapping_kernel_impl(
     query_start_loc: torch.Tensor,
     positions: torch.Tensor,
