@@ -18,18 +18,21 @@ import struct
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_specx.backends.base import DeviceLimits
 from vllm_specx.methods import (
     COMMON_KNOBS,
     CONFLICTING_VLLM_KEYS,
     METHODS,
     MTP_ALIAS_TRIGGERS,
     PASSTHROUGH_VLLM_KEYS,
+    CheckContext,
     MethodSpec,
     knob_owners,
 )
+
+if TYPE_CHECKING:  # validation needs the limits' values, not torch (backends import it)
+    from vllm_specx.backends.base import DeviceLimits
 
 SPECX_CONFIG_KEY = "specx"  # key under vLLM's additional_config
 
@@ -55,6 +58,32 @@ def _bad(key: str, value: Any, allowed: str, method: str | None = None) -> Specx
     return SpecxConfigError(
         f'speculative_config["{key}"] = {_fmt(value)} is not allowed{where}: {allowed}.'
     )
+
+
+_KIND_NAMES = {str: "a string", list: "a list", tuple: "a list", int: "a number",
+               float: "a number", bool: "a boolean"}
+
+
+def speculative_config_dict(value: Any) -> dict[str, Any]:
+    """``value`` as a settings dict, or ONE line saying what was given and what is allowed.
+
+    vLLM itself would fail deep inside the config seam with a raw ``ValueError`` or
+    ``TypeError`` for a string, a list or a number (e.g. ``--speculative-config '[1,2]'``).
+    """
+    example = '{"method": "mtad", "model": "<draft model>"}'
+    if not isinstance(value, Mapping):
+        kind = _KIND_NAMES.get(type(value), type(value).__name__)
+        raise SpecxConfigError(
+            f"speculative_config = {_fmt(value)} is not allowed: it must be a JSON object "
+            f"(a dict of settings) such as {example}, not {kind}."
+        )
+    for key in value:
+        if not isinstance(key, str):
+            raise SpecxConfigError(
+                f"speculative_config key {_fmt(key)} is not allowed: keys are setting names "
+                f"(strings), as in {example}."
+            )
+    return dict(value)
 
 
 def resolve_method(config: Mapping[str, Any], vllm_methods: Collection[str]) -> str | None:
@@ -132,16 +161,16 @@ def translate(
         raise _bad("model", model, "a model path or hub id (a non-empty string)", name)
 
     num_tokens = config.get("num_speculative_tokens", spec.default_num_speculative_tokens)
-    if num_tokens is not None:
+    # An explicit null is refused like any knob's null, except where "unset" is the
+    # method's own default (specx_mtp: vLLM reads K from the MTP config).
+    if num_tokens is not None or spec.default_num_speculative_tokens is not None:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise _bad("num_speculative_tokens", num_tokens, "an integer >= 1", name)
-        max_k = limits.max_num_speculative_tokens
-        if max_k is not None and num_tokens > max_k:
-            raise _bad(
-                "num_speculative_tokens", num_tokens,
-                f"at most {max_k} on {device} ({limits.reason_max_num_speculative_tokens})",
-                name,
-            )
+        # The tightest K any part of the runtime (vLLM's sampler, the device) accepts.
+        max_k, reason = limits.speculative_tokens_limit()
+        if num_tokens > max_k:
+            raise _bad("num_speculative_tokens", num_tokens,
+                       f"at most {max_k} on {device} ({reason})", name)
 
     settings: dict[str, Any] = {"method": name, "num_speculative_tokens": num_tokens}
     vllm_knobs: dict[str, Any] = {}
@@ -165,7 +194,12 @@ def translate(
             continue
         settings[knob.name] = value
 
-    _check_cross_knob(settings, spec, limits, device, model)
+    context = CheckContext(spec=spec, settings=settings, model=model, limits=limits,
+                           device=device)
+    for check in spec.checks:
+        refusal = check(context)
+        if refusal is not None:
+            raise _bad(refusal.key, refusal.value, refusal.allowed, name)
 
     vllm_config: dict[str, Any] = {"method": spec.vllm_method}
     if model is not None:
@@ -207,36 +241,6 @@ def _check_keys(config: Mapping[str, Any], spec: MethodSpec, vllm_fields: Collec
         raise _bad(key, value, "unknown key; allowed keys: " + ", ".join(allowed), spec.name)
 
 
-def _check_cross_knob(
-    settings: Mapping[str, Any],
-    spec: MethodSpec,
-    limits: DeviceLimits,
-    device: str,
-    model: str | None,
-) -> None:
-    k = settings["num_speculative_tokens"]
-    if "num_beams" in settings and k is not None:
-        positions = settings["num_beams"] * k
-        if positions > limits.max_beam_positions:
-            raise _bad(
-                "num_beams", settings["num_beams"],
-                f"num_beams * num_speculative_tokens = {positions} exceeds "
-                f"{limits.max_beam_positions} on {device} ({limits.reason_max_beam_positions})",
-                spec.name,
-            )
-    min_k = settings.get("min_speculative_tokens")
-    if min_k is not None and k is not None and min_k > k and (
-        spec.knob("min_speculative_tokens").requires is None or settings.get("adaptive")
-    ):
-        raise _bad(
-            "min_speculative_tokens", min_k,
-            f"at most num_speculative_tokens ({k})", spec.name,
-        )
-    head = settings.get("acceptance_head")
-    if head is not None:
-        check_acceptance_head(head, draft_model=model, method=spec.name)
-
-
 def _looks_like_local_path(value: str) -> bool:
     return value.startswith(("/", ".", "~")) or os.sep + os.sep in value or value.count("/") != 1
 
@@ -249,8 +253,9 @@ def read_safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
-def check_acceptance_head(head: str, *, draft_model: str | None, method: str) -> None:
-    """Refuse an acceptance head that does not exist or does not fit the draft model.
+def acceptance_head_problem(head: str, *, draft_model: str | None) -> str | None:
+    """Why an acceptance head does not exist or does not fit the draft model (what is
+    allowed instead), or None when it is acceptable.
 
     A local head is a directory with ``model.safetensors`` whose output layer maps the
     draft's hidden size to 2 classes (reject, accept). A hub id that is not a local
@@ -259,24 +264,22 @@ def check_acceptance_head(head: str, *, draft_model: str | None, method: str) ->
     path = Path(head).expanduser()
     if not path.exists():
         if _looks_like_local_path(head):
-            raise _bad("acceptance_head", head, "an existing directory (this path does not "
-                       "exist) or a hub id like org/name", method)
-        return
+            return "an existing directory (this path does not exist) or a hub id like org/name"
+        return None
     weights = path / "model.safetensors"
     if not path.is_dir() or not weights.is_file():
-        raise _bad("acceptance_head", head,
-                   "a directory containing model.safetensors (an acceptance head)", method)
+        return "a directory containing model.safetensors (an acceptance head)"
     shapes = read_safetensors_shapes(weights)
     outputs = {k: s for k, s in shapes.items() if len(s) == 2 and s[0] == 2}
     if not outputs:
-        raise _bad("acceptance_head", head, "a head whose output layer has shape [2, hidden] "
-                   f"(found {sorted(shapes.items())[:4]})", method)
+        return ("a head whose output layer has shape [2, hidden] "
+                f"(found {sorted(shapes.items())[:4]})")
     head_hidden = next(iter(outputs.values()))[1]
     draft_hidden = _local_hidden_size(draft_model)
     if draft_hidden is not None and draft_hidden != head_hidden:
-        raise _bad("acceptance_head", head,
-                   f"a head for hidden size {draft_hidden} (the draft model's); this head "
-                   f"expects hidden size {head_hidden}", method)
+        return (f"a head for hidden size {draft_hidden} (the draft model's); this head "
+                f"expects hidden size {head_hidden}")
+    return None
 
 
 def _local_hidden_size(model: str | None) -> int | None:

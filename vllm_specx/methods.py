@@ -1,16 +1,23 @@
 """The speculative methods vllm-specx adds, and their knobs: the user interface.
 
-Pure Python (no vLLM, no torch): the single source for names, defaults, allowed
-values and help text. Config validation, the README defaults table and
-``vllm-specx methods`` are all generated from this module.
+Pure Python (no vLLM, no torch): the single source for a method's name, knobs
+(defaults, allowed values, help text), cross-knob checks, verification rule and
+proposer. Config validation, the runner hook, the sampler, the README defaults table
+and ``vllm-specx methods`` all read this module.
+
+Adding a method: one :class:`MethodSpec` entry in :data:`METHODS` (with a proposer
+factory that imports its class lazily) plus one proposer file in ``vllm_specx/glue/``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # methods.py must import without torch or vLLM
+    from vllm_specx.backends.base import DeviceLimits
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,38 @@ class Knob:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """Why a validated config is refused: the key, its value and what is allowed
+    (config validation turns it into the one-line error)."""
+
+    key: str
+    value: Any
+    allowed: str
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a cross-knob check sees: the method's settings after every knob passed its
+    own check (defaults filled in), the draft model, and the device's limits."""
+
+    spec: MethodSpec
+    settings: Mapping[str, Any]
+    model: str | None
+    limits: DeviceLimits
+    device: str
+
+
+# A rule between knobs (or between a knob and the device): None when the settings pass.
+CrossCheck = Callable[[CheckContext], "Refusal | None"]
+# Returns the proposer class (constructed like vLLM's proposers,
+# ``Class(vllm_config, device, runner)``; the runner hook then sets its ``settings``).
+ProposerFactory = Callable[[], type]
+
+
+@dataclass(frozen=True)
 class MethodSpec:
-    """A specx method: what it translates to in vLLM and which knobs it takes."""
+    """A specx method: what it translates to in vLLM, its knobs and the rules between
+    them, how it verifies and which proposer drafts for it."""
 
     name: str
     vllm_method: str  # the vLLM base method the engine is configured with
@@ -58,6 +95,13 @@ class MethodSpec:
     needs_draft_model: bool
     default_num_speculative_tokens: int | None
     knobs: tuple[Knob, ...] = field(default_factory=tuple)
+    # Checks run after every knob passed its own check, in order; the first refusal wins.
+    checks: tuple[CrossCheck, ...] = field(default_factory=tuple)
+    # The specx sampler's verification rule (a rule of vllm_specx.algorithms.verify):
+    # "standard" (lossless rejection sampling) or "mtad" (joint likelihood threshold).
+    rule: str = "standard"
+    # None until the method's drafter ships.
+    proposer: ProposerFactory | None = None
     # False until the method's proposer ships: selecting it fails at start with a
     # "not available yet in this version" error instead of silently falling back.
     available: bool = False
@@ -126,6 +170,49 @@ MTP_ADAPTIVE = Knob(
 )
 
 
+# -- cross-knob checks ------------------------------------------------------------------
+def beam_positions_fit_device(ctx: CheckContext) -> Refusal | None:
+    """num_beams * K: the beam drafter keeps that many tail tokens per request."""
+    k, beams = ctx.settings["num_speculative_tokens"], ctx.settings["num_beams"]
+    if k is None or beams * k <= ctx.limits.max_beam_positions:
+        return None
+    return Refusal(
+        "num_beams", beams,
+        f"num_beams * num_speculative_tokens = {beams * k} exceeds "
+        f"{ctx.limits.max_beam_positions} on {ctx.device} "
+        f"({ctx.limits.reason_max_beam_positions})",
+    )
+
+
+def min_tokens_within_k(ctx: CheckContext) -> Refusal | None:
+    """min_speculative_tokens <= K, when the stop rule that reads it is on."""
+    min_k, k = ctx.settings["min_speculative_tokens"], ctx.settings["num_speculative_tokens"]
+    requires = ctx.spec.knob("min_speculative_tokens").requires
+    if requires is not None and ctx.settings.get(requires[0]) != requires[1]:
+        return None  # the knob is inert (e.g. specx_mtp without adaptive)
+    if k is None or min_k <= k:
+        return None
+    return Refusal("min_speculative_tokens", min_k, f"at most num_speculative_tokens ({k})")
+
+
+def acceptance_head_fits_draft(ctx: CheckContext) -> Refusal | None:
+    """A local acceptance head must exist and fit the draft model's hidden size."""
+    head = ctx.settings["acceptance_head"]
+    if head is None:
+        return None
+    from vllm_specx.config import acceptance_head_problem  # reads files: kept out of here
+
+    problem = acceptance_head_problem(head, draft_model=ctx.model)
+    return None if problem is None else Refusal("acceptance_head", head, problem)
+
+
+# -- proposers (imported lazily: this module must import without vLLM or torch) ----------
+def _mtad_proposer() -> type:
+    from vllm_specx.glue.mtad_proposer import MTADProposer
+
+    return MTADProposer
+
+
 def _requires_adaptive(knob: Knob) -> Knob:
     # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true`.
     return Knob(
@@ -146,6 +233,9 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=4,
             knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, HETEROGENEOUS_VOCAB),
+            checks=(beam_positions_fit_device,),
+            rule="mtad",
+            proposer=_mtad_proposer,
             available=True,
         ),
         MethodSpec(
@@ -157,6 +247,7 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=8,
             knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD),
+            checks=(min_tokens_within_k, acceptance_head_fits_draft),
         ),
         MethodSpec(
             name="specx_mtp",
@@ -172,6 +263,7 @@ METHODS: dict[str, MethodSpec] = {
                     MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
                 )),
             ),
+            checks=(min_tokens_within_k, acceptance_head_fits_draft),
         ),
     )
 }

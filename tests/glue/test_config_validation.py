@@ -7,17 +7,22 @@ test_engine_args.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from vllm_specx.backends import backend_for_device
-from vllm_specx.config import SpecxConfigError, translate
+from vllm_specx.backends import BACKEND_MODULES, backend_for_device
+from vllm_specx.backends.base import SAMPLER_MAX_SPEC_LEN
+from vllm_specx.config import SpecxConfigError, speculative_config_dict, translate
 from vllm_specx.glue.patches import vllm_method_names, vllm_speculative_fields
-from vllm_specx.methods import METHODS
+from vllm_specx.methods import METHODS, CheckContext, Knob, MethodSpec, Refusal
 
 VLLM_METHODS = vllm_method_names()
 VLLM_FIELDS = vllm_speculative_fields()
@@ -89,7 +94,14 @@ BAD_CASES = [
     ("k-bool", {**M, "num_speculative_tokens": True}, ['"num_speculative_tokens"] = true',
                                                        "integer"], "cpu"),
     ("k-float", {**M, "num_speculative_tokens": 2.5}, ["= 2.5", "integer >= 1"], "cpu"),
+    ("k-null", {**M, "num_speculative_tokens": None}, ['"num_speculative_tokens"] = null',
+                                                       "integer >= 1", "'mtad'"], "cpu"),
+    ("k-above-sampler-limit", {**M, "num_speculative_tokens": 129, "num_beams": 1},
+     ['"num_speculative_tokens"] = 129', "at most 128", "rejection sampler"], "cpu"),
+    ("k-above-sampler-limit-cuda", {**M, "num_speculative_tokens": 129, "num_beams": 1},
+     ['"num_speculative_tokens"] = 129', "at most 128", "rejection sampler"], "cuda"),
     ("beams-zero", {**M, "num_beams": 0}, ['"num_beams"] = 0', "integer >= 1", "'mtad'"], "cpu"),
+    ("beams-null", {**M, "num_beams": None}, ['"num_beams"] = null', "integer >= 1"], "cpu"),
     ("beams-string", {**M, "num_beams": "4"}, ['"num_beams"] = "4"', "integer >= 1"], "cpu"),
     ("beams-bool", {**M, "num_beams": True}, ['"num_beams"] = true', "integer >= 1"], "cpu"),
     ("tau-zero", {**M, "acceptance_threshold": 0}, ['"acceptance_threshold"] = 0',
@@ -275,3 +287,162 @@ def test_passthrough_keys_are_real_vllm_fields():
 
     assert PASSTHROUGH_VLLM_KEYS <= VLLM_FIELDS
     assert set(CONFLICTING_VLLM_KEYS) <= VLLM_FIELDS
+
+
+# -- limits the runtime asserts are validation rules (issue 17) ----------------------
+def test_sampler_limit_is_vllms_max_spec_len():
+    """The sampler asserts max_spec_len <= MAX_SPEC_LEN: our constant must be vLLM's."""
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
+
+    assert SAMPLER_MAX_SPEC_LEN == MAX_SPEC_LEN
+    for device in BACKEND_MODULES:
+        limit, reason = backend_for_device(device).limits.speculative_tokens_limit()
+        assert limit <= MAX_SPEC_LEN and reason
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("device", sorted(BACKEND_MODULES))
+def test_every_method_refuses_k_the_runtime_cannot_run(method, device):
+    limit, reason = backend_for_device(device).limits.speculative_tokens_limit()
+    config = {"method": method, "num_speculative_tokens": limit + 1}
+    if METHODS[method].needs_draft_model:
+        config["model"] = "d"
+    if METHODS[method].knob("num_beams") is not None:
+        config["num_beams"] = 1  # keep num_beams * K under the beam limit
+    refused(config, f'"num_speculative_tokens"] = {limit + 1}', f"at most {limit}", reason,
+            device=device)
+
+
+def test_largest_k_the_sampler_takes_is_accepted():
+    result = run({**M, "num_speculative_tokens": SAMPLER_MAX_SPEC_LEN, "num_beams": 1})
+    assert result.vllm_speculative_config["num_speculative_tokens"] == SAMPLER_MAX_SPEC_LEN
+
+
+def test_specx_mtp_null_k_means_from_the_mtp_config():
+    # specx_mtp's own default is "unset" (vLLM reads K from the MTP config), so an
+    # explicit null is that default, not an error.
+    result = run({"method": "specx_mtp", "num_speculative_tokens": None})
+    assert result.vllm_speculative_config == {"method": "mtp"}
+
+
+# -- a speculative_config that is not a dict (issue 17) --------------------------------
+@pytest.mark.parametrize(
+    "value,shown,kind",
+    [("mtad", '= "mtad"', "not a string"), ([1, 2], "= [1, 2]", "not a list"),
+     (5, "= 5", "not a number"), ({1: 2}, "key 1", "strings")],
+)
+def test_non_dict_speculative_config_is_one_line(value, shown, kind):
+    with pytest.raises(SpecxConfigError) as info:
+        speculative_config_dict(value)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("speculative_config ") and shown in message and kind in message
+    assert '{"method": "mtad"' in message  # what is allowed, by example
+
+
+@pytest.fixture(scope="module")
+def config_only_model(tmp_path_factory) -> str:
+    """Enough of a Llama directory for vLLM to build an engine config (no weights)."""
+    d = tmp_path_factory.mktemp("cfg-only")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+    }))
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "value,shown",
+    [("mtad", 'speculative_config = "mtad" is not allowed'),
+     ([1, 2], "speculative_config = [1, 2] is not allowed"),
+     ({"method": "mtad", "model": "d", "num_speculative_tokens": None},
+      'speculative_config["num_speculative_tokens"] = null is not allowed')],
+)
+def test_engine_args_refuse_with_our_line(config_only_model, value, shown):
+    """Through vLLM's own EngineArgs: our line, not vLLM's 3-line pydantic error or a raw
+    ValueError/TypeError from inside the patch."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=config_only_model, skip_tokenizer_init=True,
+                      speculative_config=value)
+    with pytest.raises(SpecxConfigError) as info:
+        args.create_engine_config()
+    assert "\n" not in str(info.value) and shown in str(info.value)
+
+
+@pytest.mark.engine
+def test_vllm_serve_refuses_non_dict_speculative_config(config_only_model):
+    """The CLI: argument parsing and config creation fail before any engine starts."""
+    vllm_bin = Path(sys.executable).with_name("vllm")
+    out = subprocess.run(
+        [str(vllm_bin), "serve", config_only_model, "--skip-tokenizer-init", "--port", "0",
+         "--speculative-config", "[1,2]"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "speculative_config = [1, 2] is not allowed: it must be a JSON object" in text
+    assert "dictionary update sequence" not in text  # the raw error is gone
+    assert "EngineCore" not in text  # refused before any engine process
+
+
+# -- one method, one place (issue 11) --------------------------------------------------
+def test_methods_module_imports_without_torch_or_vllm():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['vllm'] = None\n"  # any import fails
+        "from vllm_specx import methods\n"
+        "print(sorted(methods.METHODS), methods.METHODS['mtad'].rule)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mtad" in out.stdout
+
+
+def test_each_method_declares_its_rule_and_shipped_ones_their_proposer():
+    from vllm_specx.algorithms.verify import RULES
+
+    for spec in METHODS.values():
+        assert spec.rule in RULES, spec.name
+        assert spec.rule == "standard" or not spec.lossless, spec.name
+        if spec.available:
+            assert isinstance(spec.proposer(), type), spec.name
+
+
+def test_sampler_reads_the_rule_from_the_spec(monkeypatch):
+    from vllm_specx.glue.sampler import verification_rule
+
+    assert verification_rule({"method": "mtad"}) == "mtad"
+    assert verification_rule({"method": "adaptive"}) == "standard"
+    monkeypatch.setitem(METHODS, "adaptive",
+                        dataclasses.replace(METHODS["adaptive"], rule="mtad"))
+    assert verification_rule({"method": "adaptive"}) == "mtad"
+
+
+def test_a_new_method_is_one_spec_entry(monkeypatch):
+    """Validation has no knowledge of particular methods: a spec entry with its own knob
+    and cross-knob check is validated through it, and nothing else."""
+    seen: list[CheckContext] = []
+
+    def width_within_k(ctx: CheckContext) -> Refusal | None:
+        seen.append(ctx)
+        width, k = ctx.settings["width"], ctx.settings["num_speculative_tokens"]
+        return None if width <= k else Refusal("width", width, f"at most K ({k})")
+
+    toy = MethodSpec(
+        name="toy", vllm_method="draft_model", summary="a test method", lossless=True,
+        needs_draft_model=True, default_num_speculative_tokens=3,
+        knobs=(Knob("width", "int", 2, "an integer >= 1", "toy width", lambda v: v >= 1),),
+        checks=(width_within_k,),
+    )
+    monkeypatch.setitem(METHODS, "toy", toy)
+    result = run({"method": "toy", "model": "d"})
+    assert result.specx_settings == {"method": "toy", "num_speculative_tokens": 3, "width": 2}
+    assert seen[-1].spec is toy and seen[-1].model == "d" and seen[-1].device == "cpu"
+    refused({"method": "toy", "model": "d", "width": 5},
+            '"width"] = 5 is not allowed for method \'toy\'', "at most K (3)")
+    refused({"method": "toy", "model": "d", "width": 0}, '"width"] = 0', "integer >= 1")

@@ -11,8 +11,9 @@ from vllm_specx.glue.mtad_proposer import (
     MTADDraftStats,
     MTADProposer,
     lexicographic_order,
-    mtad_settings,
 )
+from vllm_specx.glue.patches import specx_settings
+from vllm_specx.methods import METHODS
 
 
 def test_lexicographic_order_sorts_tails_per_row():
@@ -27,8 +28,20 @@ def test_lexicographic_order_sorts_tails_per_row():
 
 def test_settings_come_from_additional_config():
     cfg = SimpleNamespace(additional_config={"specx": {"method": "mtad", "num_beams": 8}})
-    assert mtad_settings(cfg)["num_beams"] == 8
-    assert mtad_settings(SimpleNamespace(additional_config=None)) == {}
+    assert specx_settings(cfg)["num_beams"] == 8
+    assert specx_settings(SimpleNamespace(additional_config=None)) is None
+
+
+def test_proposer_reads_the_validated_settings_and_applies_no_default():
+    assert METHODS["mtad"].proposer() is MTADProposer
+    proposer = object.__new__(MTADProposer)  # no engine: only the settings plumbing
+    proposer.settings = {"method": "mtad", "num_beams": 8, "acceptance_threshold": 0.1}
+    assert proposer.num_beams == 8
+    proposer.num_beams = 3  # sweeps on a running engine
+    assert proposer.settings["num_beams"] == 3 and proposer.num_beams == 3
+    proposer.settings = {"method": "mtad"}  # unvalidated: no silent default
+    with pytest.raises(KeyError):
+        _ = proposer.num_beams
 
 
 def fake_proposer(**flags):

@@ -39,6 +39,15 @@ class VerifyFn(Protocol):
     ) -> torch.Tensor: ...
 
 
+# vLLM's rejection sampler asserts ``max_spec_len <= MAX_SPEC_LEN``
+# (vllm/v1/sample/rejection_sampler.py, 128 in vLLM 0.32) and the specx sampler keeps
+# that contract; a test checks this equals the installed vLLM's constant.
+SAMPLER_MAX_SPEC_LEN = 128
+REASON_SAMPLER_MAX_SPEC_LEN = (
+    "vLLM's rejection sampler verifies at most 128 draft tokens per request per step"
+)
+
+
 @dataclass(frozen=True)
 class DeviceLimits:
     """Hard limits of a device for speculative decoding.
@@ -56,6 +65,15 @@ class DeviceLimits:
     max_beam_positions: int
     reason_max_num_speculative_tokens: str = ""
     reason_max_beam_positions: str = ""
+
+    def speculative_tokens_limit(self) -> tuple[int, str]:
+        """The largest K the whole runtime accepts (the device's own limit or the
+        sampler's, whichever is tighter) and why: the one place config validation reads
+        it from, so no runtime assertion can trip on a config that passed validation."""
+        device_k = self.max_num_speculative_tokens
+        if device_k is not None and device_k < SAMPLER_MAX_SPEC_LEN:
+            return device_k, self.reason_max_num_speculative_tokens
+        return SAMPLER_MAX_SPEC_LEN, REASON_SAMPLER_MAX_SPEC_LEN
 
 
 @dataclass(frozen=True)

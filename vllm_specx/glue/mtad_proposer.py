@@ -71,10 +71,6 @@ from vllm_specx.algorithms.beam_draft import (
     recompute_tail_cost,
     warp_logprobs,
 )
-from vllm_specx.methods import NUM_BEAMS
-
-SPECX_KEY = "specx"
-DEFAULT_NUM_BEAMS: int = NUM_BEAMS.default
 
 
 @dataclass
@@ -114,13 +110,6 @@ class MTADDraftStats:
         }
 
 
-def mtad_settings(vllm_config: Any) -> dict[str, Any]:
-    """``additional_config["specx"]`` (empty dict when absent)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    settings = extra.get(SPECX_KEY) if isinstance(extra, dict) else None
-    return dict(settings or {})
-
-
 def lexicographic_order(tails: torch.Tensor) -> torch.Tensor:
     """[R, B] permutation sorting each row's beams by their token tails [R, B, j]
     (stable radix sort from the last column), so that beams sharing a prefix are adjacent.
@@ -140,17 +129,27 @@ class MTADProposer(DraftModelProposer):
     # Skip recomputing the part of a beam's tail already in the lookahead slots.
     reuse_kv_prefix: bool = True
 
+    # The validated mtad settings (``num_beams``, ``acceptance_threshold``, ...): set by
+    # the runner hook (vllm_specx.glue.runner_hook) right after construction.
+    settings: dict[str, Any]
+
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
-        settings = mtad_settings(vllm_config)
-        self.num_beams = int(settings.get("num_beams", DEFAULT_NUM_BEAMS))
-        if self.num_beams < 1:
-            raise ValueError(f"MTAD: num_beams must be >= 1, got {self.num_beams}")
         self._refuse_unsupported(vllm_config)
         self.stats = MTADDraftStats()
         # Position P of the token each request's draft continues (last round), for
         # tests and debugging: the draft context is the request's tokens [0, P].
         self.last_sample_positions: torch.Tensor | None = None
+
+    @property
+    def num_beams(self) -> int:
+        """Beam width B, from the validated settings."""
+        return int(self.settings["num_beams"])
+
+    @num_beams.setter
+    def num_beams(self, value: int) -> None:
+        # Tests and the draft-cost script sweep B on one running engine.
+        self.settings = {**self.settings, "num_beams": int(value)}
 
     def _refuse_unsupported(self, vllm_config: Any) -> None:
         reasons = []

@@ -10,7 +10,12 @@ import dataclasses
 import logging
 from typing import Any, get_args
 
-from vllm_specx.config import SPECX_CONFIG_KEY, SpecxConfigError, translate
+from vllm_specx.config import (
+    SPECX_CONFIG_KEY,
+    SpecxConfigError,
+    speculative_config_dict,
+    translate,
+)
 from vllm_specx.envflags import env_flag
 from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.methods import METHODS
@@ -66,7 +71,9 @@ class SpeculativeConfigTranslation(VllmPatch):
     def wrap(self, original: Any) -> Any:
         def create_speculative_config(self_: Any, target_model_config: Any,
                                       target_parallel_config: Any) -> Any:
-            merged = dict(self_.speculative_config or {})
+            given = self_.speculative_config
+            # A string, list or number would fail below with a raw ValueError/TypeError.
+            merged = {} if given is None else speculative_config_dict(given)
             flags = (("--spec-method", "method", self_.spec_method),
                      ("--spec-model", "model", self_.spec_model),
                      ("--spec-tokens", "num_speculative_tokens", self_.spec_tokens))

@@ -30,11 +30,12 @@ from vllm.v1.sample.rejection_sampler import (
 )
 
 from vllm_specx.backends.base import Backend
+from vllm_specx.methods import METHODS
 
 
 def verification_rule(settings: dict[str, Any]) -> str:
-    """MTAD verifies by joint likelihood; every other specx method is lossless."""
-    return "mtad" if settings["method"] == "mtad" else "standard"
+    """The method's verification rule, as its spec in vllm_specx.methods declares it."""
+    return METHODS[settings["method"]].rule
 
 
 class SpecxRejectionSampler(RejectionSampler):
@@ -46,7 +47,10 @@ class SpecxRejectionSampler(RejectionSampler):
         if backend.verify is None:
             raise RuntimeError(f"vllm-specx backend {backend.name!r} has no verify kernel")
         self.rule = verification_rule(settings)
-        self.acceptance_threshold = float(settings.get("acceptance_threshold") or 1.0)
+        # MTAD's tau (validated, default filled in); the standard rule has no threshold.
+        self.acceptance_threshold = (
+            float(settings["acceptance_threshold"]) if self.rule == "mtad" else 1.0
+        )
         self.backend = backend
 
     def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
