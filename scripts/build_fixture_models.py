@@ -23,6 +23,14 @@ Pipeline (each step is a ``--stage``; later stages read what earlier ones left b
 ``draft``
     Pretrain a 2-layer, hidden-128 Llama draft on raw text (a few minutes), then finetune it
     on the distilled continuations (loss on the generated tokens only).
+``head``
+    Train the SpecDec++ acceptance head for the pair with ``vllm-specx train-head`` (the same
+    command users run): training prompts are snippets of TRAIN files chosen the way the
+    held-out prompts are (so none overlaps ``heldout_prompts.jsonl``), stored as stdlib
+    references in ``head/train_prompts.jsonl``; the target answers them in vLLM at
+    temperatures 0 and 1. Writes ``head/`` (config.json with the held-out loss and AUC,
+    model.safetensors, metrics.json) and the head's numbers into ``REPORT.json``. Rebuild only
+    the head with ``--stage head`` (a few minutes).
 ``report``
     Reload both saved directories as a user would and write ``REPORT.json``: held-out
     perplexities, greedy per-token agreement of the pair on target greedy continuations of the
@@ -81,7 +89,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tokenizer", "target", "distill", "draft", "report")
+STAGES = ("tokenizer", "target", "distill", "draft", "head", "report")
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -138,6 +146,11 @@ class BuildConfig:
     warmup_frac: float = 0.05
     eval_windows: int = 128  # held-out windows of seq_len tokens for the perplexity
     agree_new_tokens: int = 64  # target greedy continuation length per held-out prompt
+    # Acceptance head (stage head): prompts from train files, answered at these temperatures.
+    head_prompts: int = 384
+    head_temperatures: tuple[float, ...] = (0.0, 1.0)
+    head_max_tokens: int = 128
+    head_epochs: int = 3
     log_every: int = 25
     threads: int = 1
     autocast: str = "auto"  # auto: bf16 where the CPU has native bf16, else off
@@ -166,6 +179,9 @@ QUICK = BuildConfig(
     eval_windows=8,
     agree_new_tokens=12,
     log_every=4,
+    head_prompts=6,
+    head_max_tokens=8,
+    head_epochs=1,
 )
 
 
@@ -229,6 +245,10 @@ class Paths:
     @property
     def prompts(self) -> Path:
         return self.out / "heldout_prompts.jsonl"
+
+    @property
+    def head(self) -> Path:
+        return self.out / "head"
 
 
 def load_report(paths: Paths) -> dict[str, Any]:
@@ -1021,6 +1041,87 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# Stage head: the SpecDec++ acceptance head, trained by `vllm-specx train-head`.
+# --------------------------------------------------------------------------------------------
+
+
+def head_prompt_refs(cfg: BuildConfig) -> list[dict[str, Any]]:
+    """Training prompts for the head: snippets of TRAIN files (never a held-out file), chosen
+    like the held-out prompts, round-robin over files, as stdlib references."""
+    stdlib, train_rel, _ = list_corpus(cfg)
+    per_file = [
+        make_prompt_records(cfg, rel, text)
+        for rel in train_rel
+        if (text := read_text(stdlib, rel)) is not None
+    ]
+    records = [recs[k] for k in range(cfg.prompts_per_file) for recs in per_file if k < len(recs)]
+    # A seeded spread over the whole (alphabetical) file list rather than its head.
+    random.Random(f"{cfg.seed}:head-prompts").shuffle(records)
+    return [
+        {
+            "id": i,
+            "source": rec["source"],
+            "line": rec["line"],
+            "prompt_chars": len(rec["prompt"]),
+            "text_chars": len(rec["text"]),
+            "sha256": hashlib.sha256(rec["text"].encode("utf-8")).hexdigest(),
+        }
+        for i, rec in enumerate(records[: cfg.head_prompts])
+    ]
+
+
+def stage_head(cfg: BuildConfig, paths: Paths) -> None:
+    from vllm_specx.cli import main as specx_main
+
+    t0 = time.time()
+    refs = head_prompt_refs(cfg)
+    heldout_sources = {
+        json.loads(line)["source"] for line in paths.prompts.read_text().splitlines() if line
+    }
+    overlap = heldout_sources & {r["source"] for r in refs}
+    if overlap:
+        raise RuntimeError(f"head training prompts overlap held-out files: {sorted(overlap)[:3]}")
+    paths.head.mkdir(parents=True, exist_ok=True)
+    prompts_file = paths.head / "train_prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(r) + "\n" for r in refs), encoding="utf-8")
+    def shown(path: Path) -> str:
+        # Relative to the working directory when inside it: the head's config.json records
+        # these paths, and a committed file should not carry this machine's absolute paths.
+        return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+    argv = [
+        "train-head",
+        "--target", shown(paths.target),
+        "--draft", shown(paths.draft),
+        "--prompts", shown(prompts_file),
+        "-o", shown(paths.head),
+        "--seed", str(cfg.seed),
+        "--max-tokens", str(cfg.head_max_tokens),
+        "--epochs", str(cfg.head_epochs),
+        "--threads", str(cfg.threads),
+    ]
+    for t in cfg.head_temperatures:
+        argv += ["--temperature", str(t)]
+    log(f"head: vllm-specx {' '.join(argv)}")
+    rc = specx_main(argv)
+    if rc:
+        raise RuntimeError(f"vllm-specx train-head exited with {rc}")
+    config = json.loads((paths.head / "config.json").read_text())
+    info = {
+        "seconds": round(time.time() - t0, 1),
+        "command": "vllm-specx " + " ".join(argv),
+        "prompts": len(refs),
+        "heldout_metrics": config["metrics"]["heldout"],
+        "train_metrics": config["metrics"]["train"],
+        "data": config["training"]["data"],
+        "stage_seconds": config["training"]["seconds"],
+        "head_bytes": sum(f.stat().st_size for f in paths.head.iterdir() if f.is_file()),
+    }
+    log(f"head: {json.dumps(info)}")
+    update_report(paths, "head", info)
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1097,6 +1198,8 @@ def main(argv: list[str] | None = None) -> int:
             stage_distill(cfg, paths)
         elif stage == "draft":
             stage_draft(cfg, paths, args.reuse_draft_pretrain)
+        elif stage == "head":
+            stage_head(cfg, paths)
         elif stage == "report":
             report = stage_report(cfg, paths)
             print(json.dumps(report, indent=2, sort_keys=True))

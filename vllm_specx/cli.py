@@ -2,6 +2,7 @@
 
     vllm-specx methods     the specx methods, their knobs and defaults
     vllm-specx bench       the benchmark (see ``vllm-specx bench --help``)
+    vllm-specx train-head  train a SpecDec++ acceptance head for a draft model
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
+
+    from vllm_specx.training.cli import add_train_head_parser
+
+    add_train_head_parser(sub)
     return parser
 
 
