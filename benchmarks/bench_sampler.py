@@ -58,7 +58,7 @@ if ARGS is not None and ARGS.device == "cpu":
 
 import torch  # noqa: E402
 
-from vllm_specx.algorithms.verify import verify  # noqa: E402
+from vllm_specx.algorithms.verify import VerifyBatch, verify  # noqa: E402
 
 
 def _timeit(fn: Callable[[], object], device: str, repeats: int) -> float:
@@ -104,10 +104,12 @@ def _ours(x: dict, b: int, k: int, verify_fn: Callable = verify) -> Callable[[],
         bonus = x["bonus_logits"].softmax(-1)
         uniforms = torch.rand(b * k, device=target.device)
         noise = torch.empty_like(bonus).exponential_()
-        return verify_fn(
+        # Built per call, greedy token from the logits, as the sampler glue does.
+        batch = VerifyBatch(
             "standard", x["drafts"], x["cu"], target, bonus, is_greedy, uniforms, noise, k,
-            draft_probs=x["draft_probs"],
+            target_argmax=x["target_logits"].argmax(-1), draft_probs=x["draft_probs"],
         )  # fmt: skip
+        return verify_fn(batch)
 
     return run
 

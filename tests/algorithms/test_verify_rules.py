@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -79,19 +80,20 @@ def test_mtad_matches_brute_force_on_a_full_grid(tau: float) -> None:
     b = len(cases)
     bonus = torch.zeros(b, VOCAB)
     bonus[:, 7] = 1.0
-    out = V.verify(
-        "mtad",
-        torch.tensor(drafts),
-        torch.tensor(counts).cumsum(0),
-        torch.tensor(rows, dtype=torch.float32),
-        bonus,
-        torch.zeros(b, dtype=torch.bool),
-        torch.rand(len(drafts)),
-        torch.ones(b, VOCAB),  # noise 1: the extra token is the argmax of its row
-        3,
+    batch = V.VerifyBatch(
+        rule="mtad",
+        draft_token_ids=torch.tensor(drafts),
+        cu_num_draft_tokens=torch.tensor(counts).cumsum(0),
+        target_probs=torch.tensor(rows, dtype=torch.float32),
+        bonus_probs=bonus,
+        is_greedy=torch.zeros(b, dtype=torch.bool),
+        uniforms=torch.rand(len(drafts)),
+        exp_noise=torch.ones(b, VOCAB),  # noise 1: the extra token is the argmax of its row
+        max_spec_len=3,
         draft_token_probs=torch.tensor(q_tok, dtype=torch.float32),
         acceptance_threshold=tau,
     )
+    out = V.verify(batch)
     accepted = V.num_accepted_from_output(out).tolist()
     out_rows = out.tolist()
     compared = skipped = longer_after_fail = 0
@@ -128,19 +130,8 @@ def test_accepted_lengths_helper_agrees_with_the_output() -> None:
     for variant in RULE_VARIANTS:
         for seed in range(20):
             batch = random_batch(900 + seed, variant)
-            out = V.verify(*batch.args(), **batch.kwargs())
-            lengths = V.accepted_lengths(
-                batch.rule,
-                batch.draft_token_ids,
-                batch.cu_num_draft_tokens,
-                batch.target_probs,
-                batch.is_greedy,
-                batch.uniforms,
-                batch.max_spec_len,
-                draft_probs=batch.draft_probs,
-                draft_token_probs=batch.draft_token_probs,
-                acceptance_threshold=batch.acceptance_threshold,
-            )
+            out = V.verify(batch)
+            lengths = V.accepted_lengths(batch)
             assert torch.equal(lengths, V.num_accepted_from_output(out))
 
 
@@ -184,19 +175,20 @@ def test_greedy_speculative_decoding_equals_greedy_decoding(rule: str) -> None:
             counts.append(n)
             bonus.append(_target_logits(tuple(ctx), vocab).softmax(-1))
         t = len(drafts)
-        out = V.verify(
-            rule,
-            torch.tensor(drafts, dtype=torch.int64),
-            torch.tensor(counts).cumsum(0),
-            torch.stack(rows) if rows else torch.zeros(0, vocab),
-            torch.stack(bonus),
-            torch.ones(b, dtype=torch.bool),
-            torch.rand(t),
-            torch.empty(b, vocab).exponential_(),
-            k,
+        batch = V.VerifyBatch(
+            rule=rule,
+            draft_token_ids=torch.tensor(drafts, dtype=torch.int64),
+            cu_num_draft_tokens=torch.tensor(counts).cumsum(0),
+            target_probs=torch.stack(rows) if rows else torch.zeros(0, vocab),
+            bonus_probs=torch.stack(bonus),
+            is_greedy=torch.ones(b, dtype=torch.bool),
+            uniforms=torch.rand(t),
+            exp_noise=torch.empty(b, vocab).exponential_(),
+            max_spec_len=k,
             draft_token_probs=torch.tensor(q_tok) if rule == "mtad" else None,
             acceptance_threshold=1e-6,  # MTAD would accept almost anything: greedy ignores it
         )
+        out = V.verify(batch)
         for seq, row in zip(seqs, out.tolist()):
             seq.extend(tok for tok in row if tok != -1)
     for seq, ref in zip(seqs, reference):
@@ -209,8 +201,9 @@ def test_per_token_decisions() -> None:
     draft = torch.tensor([[0.3, 0.3, 0.0, 0.4], [0.5, 0.5, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]])
     ids = torch.tensor([2, 0, -1])
     u = torch.tensor([0.0, 0.99, 0.0])
-    # greedy: 2 is the argmax of row 0; row 1 ties 0/1 -> 0; -1 is never accepted
-    assert V.greedy_accept(ids, target).tolist() == [True, True, False]
+    # greedy: the draft is the given greedy token; -1 is never accepted
+    assert V.greedy_accept(ids, torch.tensor([2, 0, 3])).tolist() == [True, True, False]
+    assert V.greedy_accept(ids, torch.tensor([2, 1, 3])).tolist() == [True, False, False]
     # full q: q(2) = 0 in row 0 -> rejected although p(2) = 0.4; row 1 ratio 1 -> accepted
     assert V.rejection_accept(ids, target, u, draft).tolist() == [False, True, False]
     # one-hot: u < p(x)
@@ -223,8 +216,25 @@ def test_per_token_decisions() -> None:
 def test_extra_token_distribution_falls_back_to_p() -> None:
     layout = V.request_layout(torch.tensor([1]), 1, 2)
     target = torch.tensor([[0.0, 0.5, 0.5]])
-    dist = V.extra_token_distribution(
-        "standard", torch.tensor([0]), torch.tensor([0]), target,
-        torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([False]), layout, draft_probs=target,
+    batch = V.VerifyBatch(
+        "standard", torch.tensor([0]), torch.tensor([1]), target,
+        torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([False]), torch.zeros(1),
+        torch.ones(1, 3), 2, draft_probs=target,
     )  # fmt: skip
+    dist = V.extra_token_distribution(batch, torch.tensor([0]), layout)
     assert dist.tolist() == [[0.0, 0.5, 0.5]]  # residual max(p - p, 0) = 0 -> p
+
+
+def test_batch_fills_in_defaults_once() -> None:
+    """Without logits the greedy token is the first maximum of the probabilities
+    (``torch.argmax``'s tie-break), and MTAD's q_j(x_j) is read off the full q."""
+    target = torch.tensor([[0.3, 0.3, 0.4, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    q = torch.tensor([[0.1, 0.2, 0.7, 0.0], [0.6, 0.4, 0.0, 0.0]])
+    batch = V.VerifyBatch(
+        "mtad", torch.tensor([2, -1]), torch.tensor([2]), target, target[:1],
+        torch.tensor([True]), torch.zeros(2), torch.ones(1, 4), 2, draft_probs=q,
+    )  # fmt: skip
+    assert batch.target_argmax.tolist() == [2, 0]
+    assert batch.draft_token_probs.tolist() == pytest.approx([0.7, 0.6])  # -1 reads column 0
+    given = dataclasses.replace(batch, target_argmax=torch.tensor([1, 1], dtype=torch.int32))
+    assert given.target_argmax.dtype == torch.int64 and given.target_argmax.tolist() == [1, 1]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_specx.algorithms.verify import verify
+from vllm_specx.algorithms.verify import VerifyBatch, verify
 
 V, K, N = 8, 3, 200_000
 SIGNIFICANCE = 1e-4
@@ -106,20 +106,21 @@ class Draws:
         ).reshape(N * K, V)
         bonus = self.p_row(K, self.x)
         draft_token_probs = draft.gather(1, self.x.reshape(-1, 1)).squeeze(1)
-        self.out = verify(
-            rule,
-            self.x.reshape(-1),
-            torch.arange(1, N + 1) * K,
-            target,
-            bonus,
-            torch.zeros(N, dtype=torch.bool),
-            torch.rand(N * K, generator=g),
-            torch.empty(N, V).exponential_(generator=g),
-            K,
+        batch = VerifyBatch(
+            rule=rule,
+            draft_token_ids=self.x.reshape(-1),
+            cu_num_draft_tokens=torch.arange(1, N + 1) * K,
+            target_probs=target,
+            bonus_probs=bonus,
+            is_greedy=torch.zeros(N, dtype=torch.bool),
+            uniforms=torch.rand(N * K, generator=g),
+            exp_noise=torch.empty(N, V).exponential_(generator=g),
+            max_spec_len=K,
             draft_probs=None if (one_hot or rule == "mtad") else draft,
             draft_token_probs=draft_token_probs if rule == "mtad" else None,
             acceptance_threshold=tau,
         )
+        self.out = verify(batch)
         self.accepted = (self.out != -1).sum(1) - 1
         self.draft_rows = draft.reshape(N, K, V)
 

@@ -1,8 +1,9 @@
 """Slow, obviously-correct reference for the verification rules, plus random batches.
 
 The reference walks ONE request at a time with plain Python loops over float64
-numbers (design.md section 2, read literally). It also reports whether a request's
-outcome is *fragile*: decided by a comparison closer than float32 rounding
+numbers (the rules of ``vllm_specx.algorithms.verify``, read literally) on the same
+``VerifyBatch`` the backends take. It also reports whether a request's outcome is
+*fragile*: decided by a comparison closer than float32 rounding
 (``u`` within 1e-6 of ``p/q``, ``S_i`` within ~1e-4 of ``log tau``, or two extra-token
 scores within 1e-5 relative). The float32 implementations may legitimately decide
 those the other way, so exact-match tests skip them and assert they are rare.
@@ -14,51 +15,13 @@ and ``tests/backends`` (whose conftest puts this folder on ``sys.path``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from vllm_specx.algorithms.verify import VerifyBatch
+
 RULE_VARIANTS = ("standard", "one_hot", "mtad")
-
-
-@dataclass
-class Batch:
-    """One ragged verification batch, in the ``verify`` argument layout."""
-
-    rule: str  # "standard" or "mtad"
-    draft_token_ids: torch.Tensor
-    cu_num_draft_tokens: torch.Tensor
-    target_probs: torch.Tensor
-    bonus_probs: torch.Tensor
-    is_greedy: torch.Tensor
-    uniforms: torch.Tensor
-    exp_noise: torch.Tensor
-    max_spec_len: int
-    draft_probs: torch.Tensor | None = None
-    draft_token_probs: torch.Tensor | None = None
-    acceptance_threshold: float = 1.0
-    meta: dict = field(default_factory=dict)
-
-    def args(self) -> tuple:
-        return (
-            self.rule,
-            self.draft_token_ids,
-            self.cu_num_draft_tokens,
-            self.target_probs,
-            self.bonus_probs,
-            self.is_greedy,
-            self.uniforms,
-            self.exp_noise,
-            self.max_spec_len,
-        )
-
-    def kwargs(self) -> dict:
-        return dict(
-            draft_probs=self.draft_probs,
-            draft_token_probs=self.draft_token_probs,
-            acceptance_threshold=self.acceptance_threshold,
-        )
 
 
 # ----------------------------------------------------------------------------- reference
@@ -86,7 +49,7 @@ def race(dist: np.ndarray, noise: np.ndarray) -> tuple[int, bool]:
     return winner, fragile
 
 
-def reference_verify(batch: Batch) -> tuple[list[list[int]], list[bool]]:
+def reference_verify(batch: VerifyBatch) -> tuple[list[list[int]], list[bool]]:
     """Per-request loop: (emitted tokens per request, fragile flag per request)."""
     cu = batch.cu_num_draft_tokens.tolist()
     drafts = batch.draft_token_ids.tolist()
@@ -95,6 +58,7 @@ def reference_verify(batch: Batch) -> tuple[list[list[int]], list[bool]]:
     draft_probs = None if batch.draft_probs is None else batch.draft_probs.double().numpy()
     q_tok = None if batch.draft_token_probs is None else batch.draft_token_probs.tolist()
     greedy = batch.is_greedy.tolist()
+    target_argmax = batch.target_argmax.tolist()
     uniforms = batch.uniforms.double().tolist()
     noise = batch.exp_noise.double().numpy()
     vocab = bonus.shape[1]
@@ -112,10 +76,11 @@ def reference_verify(batch: Batch) -> tuple[list[list[int]], list[bool]]:
             return 0 <= x < vocab
 
         if greedy[b]:
+            # The batch's greedy token (vLLM's argmax of the logits), not the probs'.
             a = 0
-            while a < n and ok_id(xs[a]) and xs[a] == first_argmax(rows[a]):
+            while a < n and ok_id(xs[a]) and xs[a] == target_argmax[start + a]:
                 a += 1
-            token = first_argmax(rows[a]) if a < n else first_argmax(bonus[b])
+            token = target_argmax[start + a] if a < n else first_argmax(bonus[b])
         elif batch.rule == "standard":
             a = n
             dist = bonus[b]
@@ -215,9 +180,14 @@ def random_batch(
     max_batch: int = 64,
     max_spec_len: int | None = None,
     vocab: int | None = None,
-) -> Batch:
+) -> VerifyBatch:
     """A random ragged batch: 0..K drafts per request, mixed greedy/sampled requests,
     top-k/top-p-warped probabilities (zeros occur), tied logits, off-support drafts.
+
+    Half the batches carry an explicit ``target_argmax`` that breaks exact ties in the
+    probabilities towards the LAST maximum, as logits closer than float32 softmax
+    resolution do in vLLM: a backend that took the argmax of the probabilities instead
+    would disagree with the reference on those rows.
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -261,13 +231,19 @@ def random_batch(
     draft = probs_for(draft_logits, req, draft_warps)
     bonus = probs_for(logits_like(b), torch.arange(b), target_warps)
 
+    target_argmax = None
+    if rand() < 0.5:
+        last_max = v - 1 - target.flip(-1).argmax(-1)
+        target_argmax = last_max
+    greedy_token = target.argmax(-1) if target_argmax is None else target_argmax
+
     if t:
         drafts = torch.multinomial(draft, 1, generator=g).squeeze(1)
     else:
         drafts = torch.zeros(0, dtype=torch.int64)
     r = torch.rand(t, generator=g)
     # Greedy requests: mostly the target argmax, so long accepted runs happen.
-    drafts = torch.where(greedy[req] & (r < 0.7), target.argmax(-1), drafts)
+    drafts = torch.where(greedy[req] & (r < 0.7), greedy_token, drafts)
     # Any request: some arbitrary tokens (p = 0 and/or q = 0 happen) and -1 padding.
     arbitrary = torch.randint(0, v, (t,), generator=g)
     drafts = torch.where(~greedy[req] & (r < 0.12), arbitrary, drafts)
@@ -275,8 +251,17 @@ def random_batch(
     cu = num.cumsum(0)
     uniforms = torch.rand(t, generator=g)
     noise = torch.empty(b, v).exponential_(generator=g)
-    batch = Batch(
-        rule="mtad" if variant == "mtad" else "standard",
+    rule = "mtad" if variant == "mtad" else "standard"
+    draft_probs = draft_token_probs = None
+    tau = 1.0
+    if variant == "standard":
+        draft_probs = draft.float()
+    elif variant == "mtad":
+        q_tok = draft.gather(1, drafts.clamp(min=0)[:, None]).squeeze(1)
+        draft_token_probs = torch.where(drafts >= 0, q_tok, torch.zeros_like(q_tok))
+        tau = [1.0, 0.5, 0.1, 0.01, 1e-4][randint(0, 4)]
+    return VerifyBatch(
+        rule=rule,
         draft_token_ids=drafts,
         cu_num_draft_tokens=cu,
         target_probs=target.float(),
@@ -285,18 +270,14 @@ def random_batch(
         uniforms=uniforms,
         exp_noise=noise,
         max_spec_len=k,
-        meta=dict(seed=seed, variant=variant),
+        target_argmax=target_argmax,
+        draft_probs=draft_probs,
+        draft_token_probs=draft_token_probs,
+        acceptance_threshold=tau,
     )
-    if variant == "standard":
-        batch.draft_probs = draft.float()
-    elif variant == "mtad":
-        q_tok = draft.gather(1, drafts.clamp(min=0)[:, None]).squeeze(1)
-        batch.draft_token_probs = torch.where(drafts >= 0, q_tok, torch.zeros_like(q_tok))
-        batch.acceptance_threshold = [1.0, 0.5, 0.1, 0.01, 1e-4][randint(0, 4)]
-    return batch
 
 
-def compare(batch: Batch, out: torch.Tensor) -> tuple[int, int]:
+def compare(batch: VerifyBatch, out: torch.Tensor, label: str = "") -> tuple[int, int]:
     """Assert ``out`` equals the reference on every non-fragile request.
 
     Returns (requests compared, requests skipped as fragile).
@@ -313,7 +294,7 @@ def compare(batch: Batch, out: torch.Tensor) -> tuple[int, int]:
             continue
         compared += 1
         assert got[i] == expected[i], (
-            f"{batch.meta} request {i}: got {got[i]}, reference {expected[i]} "
+            f"{label} request {i}: got {got[i]}, reference {expected[i]} "
             f"(greedy={bool(batch.is_greedy[i])})"
         )
     return compared, skipped

@@ -12,6 +12,7 @@ Also puts ``tests/algorithms`` on ``sys.path`` for the shared ``verify_reference
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import multiprocessing
 import sys
@@ -30,6 +31,8 @@ for _path in (str(_HERE.parent / "algorithms"), str(_HERE)):
 
 import triton_interpret_worker  # noqa: E402
 
+from vllm_specx.algorithms.verify import VerifyBatch  # noqa: E402
+
 BACKEND_NAMES = ("cpu", "npu", "cuda")
 
 
@@ -45,6 +48,13 @@ def _one_thread() -> Iterator[None]:
 def _move(value, device: str):
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, VerifyBatch):
+        tensors = {
+            f.name: getattr(value, f.name).to(device)
+            for f in dataclasses.fields(value)
+            if isinstance(getattr(value, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(value, **tensors)
     return value
 
 
@@ -88,13 +98,13 @@ def fake_torch_npu(monkeypatch: pytest.MonkeyPatch) -> MagicMock:
 
 @pytest.fixture(params=BACKEND_NAMES)
 def backend_verify(request: pytest.FixtureRequest) -> Iterator[tuple[str, Callable]]:
-    """(name, verify) for each backend, runnable here."""
+    """(name, verify) for each backend, runnable here: ``verify(batch) -> tokens``."""
     name = request.param
     if name == "cuda":
         call = request.getfixturevalue("triton_call")
 
-        def verify(*args, **kwargs):
-            return call("cuda:verify", *args, **kwargs)
+        def verify(batch: VerifyBatch) -> torch.Tensor:
+            return call("cuda:verify", batch)
 
         yield name, verify
         return

@@ -12,6 +12,7 @@ Also: importing any backend module imports neither torch_npu, Triton nor vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -61,11 +62,14 @@ def recorded_ops() -> dict[str, set[torch.dtype]]:
     for variant in RULE_VARIANTS:
         for seed in range(5):
             batch = random_batch(700 + seed, variant)
-            batch.uniforms = batch.uniforms.double()  # what vLLM generates
-            batch.exp_noise = batch.exp_noise.double()
-            batch.cu_num_draft_tokens = batch.cu_num_draft_tokens.to(torch.int32)
+            batch = dataclasses.replace(
+                batch,
+                uniforms=batch.uniforms.double(),  # what vLLM generates
+                exp_noise=batch.exp_noise.double(),
+                cu_num_draft_tokens=batch.cu_num_draft_tokens.to(torch.int32),
+            )
             with recorder:
-                npu.verify(*batch.args(), **batch.kwargs())
+                npu.verify(batch)
     if sys.modules.get("torch_npu", 0) is None:
         del sys.modules["torch_npu"]
     return recorder.ops

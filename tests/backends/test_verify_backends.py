@@ -32,8 +32,7 @@ def test_backend_matches_reference(backend_verify, variant: str) -> None:
     base = 100_000 * RULE_VARIANTS.index(variant)
     for seed in range(base, base + SEEDS[name]):
         batch = random_batch(seed, variant)
-        out = verify(*batch.args(), **batch.kwargs())
-        c, s = compare(batch, out)
+        c, s = compare(batch, verify(batch), f"seed {seed} {variant}")
         compared += c
         skipped += s
     assert compared > 10 * SEEDS[name]
@@ -48,16 +47,14 @@ def test_triton_is_bitwise_the_torch_path(triton_call, variant: str) -> None:
     differing = 0
     for seed in range(500_000, 500_012):
         batch = random_batch(seed, variant, max_batch=32)
-        expected = torch_verify(*batch.args(), **batch.kwargs())
-        got, num_accepted = triton_call(
-            "triton_verify:verify_with_num_accepted", *batch.args(), **batch.kwargs()
-        )
+        expected = torch_verify(batch)
+        got, num_accepted = triton_call("triton_verify:verify_with_num_accepted", batch)
         assert torch.equal(num_accepted, (expected != -1).sum(1) - 1)
         if variant != "mtad":
-            assert torch.equal(got, expected), batch.meta
+            assert torch.equal(got, expected), seed
         else:
             _, fragile = reference_verify(batch)
             rows = (got != expected).any(1)
-            assert not any(rows[i] and not fragile[i] for i in range(len(fragile))), batch.meta
+            assert not any(rows[i] and not fragile[i] for i in range(len(fragile))), seed
             differing += int(rows.sum())
     assert differing <= 2

@@ -7,10 +7,14 @@ wrong distribution (e.g. not removing the rejected draft) would give another tok
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
+
+from vllm_specx.algorithms.verify import VerifyBatch
 
 
 def _batch(
@@ -25,31 +29,39 @@ def _batch(
     q_tok: list[list[float]] | None = None,
     tau: float = 1.0,
     max_spec_len: int | None = None,
-) -> tuple[tuple, dict]:
-    """Build ``verify`` arguments from per-request lists."""
+    target_argmax: list[list[int]] | None = None,
+) -> VerifyBatch:
+    """Build a ``VerifyBatch`` from per-request lists."""
     b = len(drafts)
     v = len(bonus[0])
     counts = [len(d) for d in drafts]
     flat = [x for d in drafts for x in d]
     rows = [r for req in target_rows for r in req]
-    args = (
-        rule,
-        torch.tensor(flat, dtype=torch.int64),
-        torch.tensor(counts, dtype=torch.int64).cumsum(0),
-        torch.tensor(rows, dtype=torch.float32).reshape(len(flat), v),
-        torch.tensor(bonus, dtype=torch.float32),
-        torch.tensor(greedy if greedy is not None else [False] * b),
-        torch.tensor([u for req in uniforms for u in req] if uniforms else [0.5] * len(flat)),
-        torch.tensor(noise, dtype=torch.float32) if noise else torch.ones(b, v),
-        max_spec_len if max_spec_len is not None else max(counts + [0]),
-    )
-    kwargs: dict = {"acceptance_threshold": tau}
+    q_full = q_flat = argmax = None
     if draft_rows is not None:
         q = [r for req in draft_rows for r in req]
-        kwargs["draft_probs"] = torch.tensor(q, dtype=torch.float32).reshape(len(flat), v)
+        q_full = torch.tensor(q, dtype=torch.float32).reshape(len(flat), v)
     if q_tok is not None:
-        kwargs["draft_token_probs"] = torch.tensor([x for req in q_tok for x in req])
-    return args, kwargs
+        q_flat = torch.tensor([x for req in q_tok for x in req])
+    if target_argmax is not None:
+        argmax = torch.tensor([x for req in target_argmax for x in req], dtype=torch.int64)
+    return VerifyBatch(
+        rule=rule,
+        draft_token_ids=torch.tensor(flat, dtype=torch.int64),
+        cu_num_draft_tokens=torch.tensor(counts, dtype=torch.int64).cumsum(0),
+        target_probs=torch.tensor(rows, dtype=torch.float32).reshape(len(flat), v),
+        bonus_probs=torch.tensor(bonus, dtype=torch.float32),
+        is_greedy=torch.tensor(greedy if greedy is not None else [False] * b),
+        uniforms=torch.tensor(
+            [u for req in uniforms for u in req] if uniforms else [0.5] * len(flat)
+        ),
+        exp_noise=torch.tensor(noise, dtype=torch.float32) if noise else torch.ones(b, v),
+        max_spec_len=max_spec_len if max_spec_len is not None else max(counts + [0]),
+        target_argmax=argmax,
+        draft_probs=q_full,
+        draft_token_probs=q_flat,
+        acceptance_threshold=tau,
+    )
 
 
 def _rows(out: torch.Tensor) -> list[list[int]]:
@@ -73,7 +85,7 @@ def test_mtad_accepts_the_largest_passing_depth(backend_verify) -> None:
     # request 0: S_3 = log 32.4 passes -> a = 3, extra from the bonus row (token 7);
     # request 1: p_3 = 0.001 -> S_3 = log 0.036 fails -> a = 2, extra from p_3 (token 6).
     # A first-failure rule would accept nothing in both.
-    args, kwargs = _batch(
+    batch = _batch(
         "mtad",
         drafts=[[0, 1, 2], [0, 1, 2]],
         target_rows=[
@@ -84,7 +96,7 @@ def test_mtad_accepts_the_largest_passing_depth(backend_verify) -> None:
         q_tok=[[0.5, 0.1, 0.1], [0.5, 0.1, 0.1]],
         tau=0.5,
     )
-    assert _rows(verify(*args, **kwargs)) == [[0, 1, 2, 7], [0, 1, 6]]
+    assert _rows(verify(batch)) == [[0, 1, 2, 7], [0, 1, 6]]
 
 
 def test_mtad_tau_one_and_zero_accepted(backend_verify) -> None:
@@ -93,8 +105,8 @@ def test_mtad_tau_one_and_zero_accepted(backend_verify) -> None:
     # token comes from p_1 (token 4), not the bonus. With tau = 0.9 all pass.
     rows = [_mtad_row(0, 0.3), _mtad_row(1, 0.3)]
     for tau, expected in ((1.0, [4]), (0.9, [0, 1, 7])):
-        args, kwargs = _batch("mtad", [[0, 1]], [rows], BONUS8, q_tok=[[0.3, 0.3]], tau=tau)
-        assert _rows(verify(*args, **kwargs)) == [expected], tau
+        batch = _batch("mtad", [[0, 1]], [rows], BONUS8, q_tok=[[0.3, 0.3]], tau=tau)
+        assert _rows(verify(batch)) == [expected], tau
 
 
 def test_mtad_zero_probabilities_fail_without_nan(backend_verify) -> None:
@@ -103,7 +115,7 @@ def test_mtad_zero_probabilities_fail_without_nan(backend_verify) -> None:
     # even though depth 2 alone would pass. p_1 = 0 likewise.
     rows = [_mtad_row(0, 0.9), _mtad_row(1, 0.9)]
     zero_p = [_mtad_row(0, 0.0), _mtad_row(1, 0.9)]
-    args, kwargs = _batch(
+    batch = _batch(
         "mtad",
         [[0, 1], [0, 1]],
         [rows, zero_p],
@@ -111,14 +123,14 @@ def test_mtad_zero_probabilities_fail_without_nan(backend_verify) -> None:
         q_tok=[[0.0, 0.01], [0.5, 0.01]],
         tau=1e-3,
     )
-    assert _rows(verify(*args, **kwargs)) == [[0], [4]]
+    assert _rows(verify(batch)) == [[0], [4]]
 
 
 def test_greedy_ties_take_the_first_maximum(backend_verify) -> None:
     _, verify = backend_verify
     tie = [0.3, 0.3, 0.2, 0.2]
     for rule in ("standard", "mtad"):
-        args, kwargs = _batch(
+        batch = _batch(
             rule,
             drafts=[[1], [0, 1], []],
             target_rows=[[tie], [tie, tie], []],
@@ -130,7 +142,40 @@ def test_greedy_ties_take_the_first_maximum(backend_verify) -> None:
         # argmax of a tie is token 0: draft 1 is rejected (emit 0), draft 0 accepted;
         # the bonus tie 1 vs 2 also resolves to the first (1). MTAD's joint rule
         # would have accepted everything: greedy requests ignore it.
-        assert _rows(verify(*args, **kwargs)) == [[0], [0, 0], [1]], rule
+        assert _rows(verify(batch)) == [[0], [0, 0], [1]], rule
+
+
+def _near_tie_logits() -> torch.Tensor:
+    """Logits whose top two differ by one float32 ulp (7.5e-9 at 0.1): vLLM's argmax
+    of the logits is token 1, but softmax rounds both to the same float32 probability,
+    whose first maximum is token 0."""
+    low = torch.tensor(0.1, dtype=torch.float32)
+    high = torch.nextafter(low, torch.tensor(1.0))
+    return torch.stack([low, high, torch.tensor(-1.0), torch.tensor(-2.0)])
+
+
+def test_greedy_token_is_vllms_argmax_of_the_logits_not_of_the_probs(backend_verify) -> None:
+    _, verify = backend_verify
+    logits = _near_tie_logits()
+    probs = logits.softmax(-1)
+    assert probs[0] == probs[1] and int(probs.argmax()) == 0 and int(logits.argmax()) == 1
+    row = probs.tolist()
+    for rule in ("standard", "mtad"):
+        batch = _batch(
+            rule,
+            drafts=[[1], [0], [1, 1]],
+            target_rows=[[row], [row], [row, row]],
+            bonus=[[0.0, 0.0, 1.0, 0.0]] * 3,
+            greedy=[True, True, True],
+            q_tok=[[0.9], [0.9], [0.9, 0.9]] if rule == "mtad" else None,
+            # What the sampler glue passes: argmax of the very logits vLLM's greedy
+            # path takes its argmax of.
+            target_argmax=[[1], [1], [1, 1]],
+        )
+        # Draft 1 is vLLM's greedy token: accepted, then the bonus token 2. Draft 0 is
+        # not: rejected, and the token emitted is vLLM's 1. The argmax of the
+        # probabilities would give [[0], [0, 2], [0]].
+        assert _rows(verify(batch)) == [[1, 2], [1], [1, 1, 2]], rule
 
 
 def test_zero_drafts_emit_from_the_bonus_distribution(backend_verify) -> None:
@@ -138,19 +183,20 @@ def test_zero_drafts_emit_from_the_bonus_distribution(backend_verify) -> None:
     bonus = [[0.1, 0.2, 0.7], [0.1, 0.2, 0.7], [0.5, 0.25, 0.25]]
     noise = [[1.0, 1.0, 1.0], [0.01, 1.0, 1.0], [1.0, 1.0, 1.0]]
     for rule, kw in (("standard", {}), ("mtad", {"q_tok": [[], [], []]})):
-        args, kwargs = _batch(
+        batch = _batch(
             rule, [[], [], []], [[], [], []], bonus, greedy=[False, False, True], noise=noise, **kw
         )
         # argmax(bonus / noise): 2, then 0 (0.1 / 0.01 = 10 wins); greedy: argmax 0.
-        assert _rows(verify(*args, **kwargs)) == [[2], [0], [0]], rule
+        assert _rows(verify(batch)) == [[2], [0], [0]], rule
 
 
 def test_no_drafts_and_no_speculative_columns(backend_verify) -> None:
     _, verify = backend_verify
     # K = 0: output [B, 1]; drafts beyond max_spec_len are never emitted.
-    args, kwargs = _batch("standard", [[], [2]], [[], [[0.0, 0.0, 1.0]]], [[0, 1.0, 0]] * 2)
-    args = args[:-1] + (0,)
-    out = verify(*args, **kwargs)
+    batch = _batch(
+        "standard", [[], [2]], [[], [[0.0, 0.0, 1.0]]], [[0, 1.0, 0]] * 2, max_spec_len=0
+    )
+    out = verify(batch)
     assert out.shape == (2, 1) and out.tolist() == [[1], [1]]
 
 
@@ -158,7 +204,7 @@ def test_standard_rejections_and_residuals(backend_verify) -> None:
     _, verify = backend_verify
     p = [0.5, 0.5, 0.0, 0.0]
     noise_for_0 = [0.01, 1.0, 1.0, 1.0]  # makes token 0 win unless it has no mass
-    args, kwargs = _batch(
+    batch = _batch(
         "standard",
         drafts=[[0], [1], [2], [3]],
         target_rows=[[p], [p], [p], [[0.0, 0.5, 0.5, 0.0]]],
@@ -179,12 +225,12 @@ def test_standard_rejections_and_residuals(backend_verify) -> None:
             [[0.0, 0.5, 0.5, 0.0]],
         ],
     )
-    assert _rows(verify(*args, **kwargs)) == [[1], [1, 3], [0], [2]]
+    assert _rows(verify(batch)) == [[1], [1, 3], [0], [2]]
 
 
 def test_one_hot_drafter(backend_verify) -> None:
     _, verify = backend_verify
-    args, kwargs = _batch(
+    batch = _batch(
         "standard",
         drafts=[[0], [0], [1], [-1]],
         target_rows=[
@@ -202,13 +248,13 @@ def test_one_hot_drafter(backend_verify) -> None:
         uniforms=[[0.9], [0.999999], [0.0], [0.0]],
         noise=[[0.01, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.01, 1.0, 1.0]],
     )
-    assert _rows(verify(*args, **kwargs)) == [[1], [0, 1], [2], [0]]
+    assert _rows(verify(batch)) == [[1], [0, 1], [2], [0]]
 
 
 def test_vllm_dtypes_give_the_same_answer(backend_verify) -> None:
     """int32 ids and offsets, float64 uniforms and noise (what vLLM hands over)."""
     _, verify = backend_verify
-    args, kwargs = _batch(
+    batch = _batch(
         "standard",
         drafts=[[0, 1], [2]],
         target_rows=[[[0.6, 0.4, 0.0], [0.3, 0.3, 0.4]], [[0.2, 0.3, 0.5]]],
@@ -216,13 +262,15 @@ def test_vllm_dtypes_give_the_same_answer(backend_verify) -> None:
         uniforms=[[0.5, 0.95], [0.1]],
         noise=[[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]],
     )
-    expected = verify(*args, **kwargs)
-    converted = list(args)
-    converted[1] = args[1].to(torch.int32)
-    converted[2] = args[2].to(torch.int32)
-    converted[6] = args[6].to(torch.float64)
-    converted[7] = args[7].to(torch.float64)
-    assert torch.equal(verify(*converted, **kwargs), expected)
+    expected = verify(batch)
+    converted = dataclasses.replace(
+        batch,
+        draft_token_ids=batch.draft_token_ids.to(torch.int32),
+        cu_num_draft_tokens=batch.cu_num_draft_tokens.to(torch.int32),
+        uniforms=batch.uniforms.to(torch.float64),
+        exp_noise=batch.exp_noise.to(torch.float64),
+    )
+    assert torch.equal(verify(converted), expected)
     # 0: accept 0 (u .5 < .6), reject 1 (u .95 >= .3); p without 1 -> [.3, 0, .4] -> 2.
     assert _rows(expected) == [[0, 2], [2, 2]]
 
@@ -230,25 +278,26 @@ def test_vllm_dtypes_give_the_same_answer(backend_verify) -> None:
 def test_float64_uniform_just_below_one_still_accepts_ratio_one(backend_verify) -> None:
     """u = 0.99999999 (float64) rounds to 1.0 in float32; p(x) == q(x) must still accept."""
     _, verify = backend_verify
-    args, kwargs = _batch(
+    batch = _batch(
         "standard",
         drafts=[[0], [0]],
         target_rows=[[[0.5, 0.5, 0.0]], [[1.0, 0.0, 0.0]]],
         bonus=[[0.0, 0.0, 1.0]] * 2,
     )
-    args = list(args)
-    args[6] = torch.tensor([0.99999999, 0.99999999], dtype=torch.float64)
-    kwargs["draft_probs"] = args[3].clone()  # q == p in both rows
-    assert _rows(verify(*args, **kwargs)) == [[0, 2], [0, 2]]
-    del kwargs["draft_probs"]  # one-hot: p(x) = 1 is always accepted
-    assert _rows(verify(*args, **kwargs))[1] == [0, 2]
+    one_hot = dataclasses.replace(
+        batch, uniforms=torch.tensor([0.99999999, 0.99999999], dtype=torch.float64)
+    )
+    same_q = dataclasses.replace(one_hot, draft_probs=batch.target_probs.clone())  # q == p
+    assert _rows(verify(same_q)) == [[0, 2], [0, 2]]
+    assert _rows(verify(one_hot))[1] == [0, 2]  # one-hot: p(x) = 1 is always accepted
 
 
 def test_empty_batch(backend_verify) -> None:
     _, verify = backend_verify
     z = torch.zeros(0, 5)
     e = torch.zeros(0, dtype=torch.int64)
-    out = verify("standard", e, e, z, z, torch.zeros(0, dtype=torch.bool), torch.zeros(0), z, 3)
+    batch = VerifyBatch("standard", e, e, z, z, torch.zeros(0, dtype=torch.bool), e.float(), z, 3)
+    out = verify(batch)
     assert out.shape == (0, 4) and out.dtype == torch.int64
 
 
@@ -259,27 +308,22 @@ def test_empty_batch(backend_verify) -> None:
         ({"acceptance_threshold": 0.0}, "(0, 1]"),
         ({"acceptance_threshold": 1.5}, "(0, 1]"),
         ({"draft_token_probs": None}, "draft_token_probs"),
-        ({"exp_noise": torch.ones(1, 4)}, "exp_noise"),
+        ({"exp_noise": torch.ones(1, 4)}, "exp_noise must be [B=1, V=3], got (1, 4)"),
+        ({"target_argmax": torch.zeros(2, dtype=torch.int64)}, "target_argmax must be [T=1]"),
+        ({"max_spec_len": -1}, "max_spec_len must be >= 0"),
     ],
 )
-def test_bad_arguments_raise(backend_verify, change: dict, message: str) -> None:
-    _, verify = backend_verify
-    args, kwargs = _batch("mtad", [[0]], [[[0.5, 0.5, 0.0]]], [[0.5, 0.5, 0.0]], q_tok=[[0.5]])
-    names = ["rule", "draft_token_ids", "cu", "target", "bonus", "greedy", "u", "exp_noise", "k"]
-    named = dict(zip(names, args))
-    for key, value in change.items():
-        if key in named:
-            named[key] = value
-        else:
-            kwargs[key] = value
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        verify(*named.values(), **kwargs)
+def test_bad_batches_are_refused_on_construction(change: dict, message: str) -> None:
+    """The batch is validated once, where it is built, for every backend alike."""
+    batch = _batch("mtad", [[0]], [[[0.5, 0.5, 0.0]]], [[0.5, 0.5, 0.0]], q_tok=[[0.5]])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(batch, **change)
 
 
 def test_mtad_reads_q_from_full_draft_probs(backend_verify) -> None:
     _, verify = backend_verify
     # Without draft_token_probs, q_j(x_j) is gathered from draft_probs.
     q = [[0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
-    args, kwargs = _batch("mtad", [[0]], [[_mtad_row(0, 0.2)]], BONUS8, draft_rows=[q], tau=0.5)
+    batch = _batch("mtad", [[0]], [[_mtad_row(0, 0.2)]], BONUS8, draft_rows=[q], tau=0.5)
     assert math.log(0.2 / 0.5) < math.log(0.5)
-    assert _rows(verify(*args, **kwargs)) == [[4]]
+    assert _rows(verify(batch)) == [[4]]

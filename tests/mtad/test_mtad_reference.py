@@ -104,19 +104,20 @@ def test_joint_rule_agrees_with_specx_sampler():
     drafts = torch.randint(0, v, (t,))
     q = torch.rand(t) * 0.9 + 0.05
     tau = 0.3
-    out = verify_mod.verify(
-        "mtad",
-        drafts,
-        counts.cumsum(0),
-        target,
-        bonus,
-        torch.zeros(b, dtype=torch.bool),
-        torch.rand(t),
-        torch.empty(b, v).exponential_(),
-        int(counts.max()),
+    batch = verify_mod.VerifyBatch(
+        rule="mtad",
+        draft_token_ids=drafts,
+        cu_num_draft_tokens=counts.cumsum(0),
+        target_probs=target,
+        bonus_probs=bonus,
+        is_greedy=torch.zeros(b, dtype=torch.bool),
+        uniforms=torch.rand(t),
+        exp_noise=torch.empty(b, v).exponential_(),
+        max_spec_len=int(counts.max()),
         draft_token_probs=q,
         acceptance_threshold=tau,
     )
+    out = verify_mod.verify(batch)
     start = 0
     for i in range(b):
         n = int(counts[i])

@@ -3,21 +3,29 @@
 This module is the reference implementation of the extended rejection sampler and
 the code path the ``cpu`` and ``npu`` backends run. It imports nothing from vLLM.
 
-Layout (vLLM's ragged spec-decode layout)
------------------------------------------
-``B`` requests, ``T`` draft tokens in total, ``K = max_spec_len``. Request ``b`` owns
-the drafts ``draft_token_ids[start_b : end_b]`` with ``end_b = cu_num_draft_tokens[b]``
-(inclusive cumulative sum) and ``start_b = end_b - n_b``. Row ``t`` of
-``target_probs`` is the target's warped distribution at draft ``t`` (the distribution
-that draft ``t`` is checked against); ``bonus_probs[b]`` is the target's distribution
-after request ``b``'s last draft. The output is ``[B, K + 1]`` int64: the accepted
-drafts, then exactly one extra token, then ``-1``.
+The batch: :class:`VerifyBatch`
+-------------------------------
+Every backend takes ONE frozen :class:`VerifyBatch`, validated once on construction,
+in vLLM's ragged spec-decode layout: ``B`` requests, ``T`` draft tokens in total,
+``K = max_spec_len``. Request ``b`` owns the drafts ``draft_token_ids[start_b : end_b]``
+with ``end_b = cu_num_draft_tokens[b]`` (inclusive cumulative sum) and
+``start_b = end_b - n_b``. Row ``t`` of ``target_probs`` is the target's warped
+distribution at draft ``t`` (the distribution that draft ``t`` is checked against);
+``target_argmax[t]`` is the target's greedy token there; ``bonus_probs[b]`` is the
+target's distribution after request ``b``'s last draft. The output is ``[B, K + 1]``
+int64: the accepted drafts, then exactly one extra token, then ``-1``.
 
-Rules (design.md section 2)
----------------------------
+Rules (speculative sampling, Leviathan et al. 2023; MTAD, Qin et al. 2024)
+--------------------------------------------------------------------------
 * greedy requests (``is_greedy``), under either rule: accept while
-  ``x_i == argmax p_i`` (first maximum, as ``torch.argmax``); then emit ``argmax`` of
-  ``p`` at the first mismatch, or of the bonus distribution after a full accept.
+  ``x_i == target_argmax_i``; then emit ``target_argmax`` at the first mismatch, or
+  ``argmax`` (first maximum) of the bonus distribution after a full accept.
+  ``target_argmax`` is taken from the same logits vLLM's sampler takes its argmax of
+  (the sampler glue passes it), NOT from the float32 probabilities: two logits closer
+  than float32 softmax resolution become equal probabilities, and the argmax of the
+  probabilities would then pick the lower index where vLLM picks the other, so greedy
+  decoding with speculation could differ from greedy decoding without it. When the
+  caller has no logits (tests, benchmarks) it defaults to ``target_probs.argmax``.
 * ``"standard"`` with full draft probabilities ``q``: accept ``x_i`` iff
   ``u_i < min(1, p_i(x_i) / q_i(x_i))``, evaluated as ``u_i * q_i(x_i) < p_i(x_i)`` in
   float32 (equivalent for ``q > 0``, needs no division, so every backend rounds the
@@ -54,13 +62,14 @@ host synchronisation (no ``.item()``/``.tolist()``), and no data-dependent shape
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
     "RULES",
+    "VerifyBatch",
     "RequestLayout",
     "request_layout",
     "valid_draft_ids",
@@ -71,10 +80,10 @@ __all__ = [
     "largest_passing_depth",
     "accepted_lengths",
     "extra_token_distribution",
+    "greedy_extra_token",
     "sample_extra_token",
     "assemble_output",
     "num_accepted_from_output",
-    "check_verify_args",
     "as_float32_uniforms",
     "verify",
 ]
@@ -94,6 +103,128 @@ _BELOW_ONE = 1.0 - 2.0**-24
 def as_float32_uniforms(uniforms: torch.Tensor) -> torch.Tensor:
     """The acceptance uniforms as every backend uses them: float32, still below 1."""
     return uniforms.to(torch.float32).clamp(max=_BELOW_ONE)
+
+
+def _shape_error(name: str, expected: str, got: torch.Tensor) -> ValueError:
+    return ValueError(f"{name} must be {expected}, got {tuple(got.shape)}")
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """One ragged verification batch: what every backend's ``verify`` takes.
+
+    Validated once, on construction (host metadata only, no device sync); a bad field
+    raises ``ValueError`` naming it, its shape and the expected one. Defaults are filled
+    in then too, so a backend reads every field as set: ``target_argmax`` (the first
+    maximum of ``target_probs`` when not given) and, for ``"mtad"``, ``draft_token_probs``
+    (gathered from ``draft_probs`` when not given). Build a variant with
+    :func:`dataclasses.replace`, which validates again.
+
+    Fields (``B`` requests, ``T`` drafts, ``V`` vocabulary, ``K = max_spec_len``):
+        rule: ``"standard"`` (lossless rejection sampling) or ``"mtad"`` (joint
+            likelihood threshold). Greedy requests use the greedy rule under both.
+        draft_token_ids: [T] int flattened drafts.
+        cu_num_draft_tokens: [B] int inclusive cumsum of per-request draft counts.
+        target_probs: [T, V] float32 warped target probabilities at each draft.
+        bonus_probs: [B, V] warped target probabilities after each request's last draft.
+        is_greedy: [B] bool.
+        uniforms: [T] float in [0, 1) acceptance randomness (used as float32).
+        exp_noise: [B, V] Exp(1) noise; a sampled request's one extra token is
+            ``argmax(dist / noise)``.
+        max_spec_len: K, the output has K + 1 columns.
+        target_argmax: [T] int greedy target token at each draft, as vLLM's sampler
+            takes it (argmax of the processed logits). Default ``target_probs.argmax``.
+        draft_probs: standard: [T, V] full draft probabilities, or None for a one-hot
+            drafter. mtad: optional source of ``q_j(x_j)`` if ``draft_token_probs`` is None.
+        draft_token_probs: mtad only: [T] draft probability of each drafted token.
+        acceptance_threshold: mtad ``tau`` in (0, 1].
+    """
+
+    rule: str
+    draft_token_ids: torch.Tensor
+    cu_num_draft_tokens: torch.Tensor
+    target_probs: torch.Tensor
+    bonus_probs: torch.Tensor
+    is_greedy: torch.Tensor
+    uniforms: torch.Tensor
+    exp_noise: torch.Tensor
+    max_spec_len: int
+    target_argmax: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    draft_token_probs: torch.Tensor | None = None
+    acceptance_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._validate()
+        # Frozen: defaults are filled in through object.__setattr__, once, here.
+        if self.target_argmax is None:
+            object.__setattr__(self, "target_argmax", self.target_probs.argmax(dim=-1))
+        else:
+            object.__setattr__(self, "target_argmax", self.target_argmax.to(torch.int64))
+        if self.rule == "mtad" and self.draft_token_probs is None:
+            assert self.draft_probs is not None  # _validate guarantees one of them
+            _, safe = valid_draft_ids(self.draft_token_ids, self.vocab_size)
+            object.__setattr__(self, "draft_token_probs", _prob_of_draft(self.draft_probs, safe))
+
+    @property
+    def num_requests(self) -> int:
+        return self.bonus_probs.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.draft_token_ids.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.bonus_probs.shape[1]
+
+    def with_float32_randomness(self) -> VerifyBatch:
+        """The same batch with uniforms, noise and MTAD's ``q`` cast to float32 (vLLM
+        draws the randomness in float64), for devices that should run no float64."""
+        q_tok = self.draft_token_probs
+        return replace(
+            self,
+            uniforms=as_float32_uniforms(self.uniforms),
+            exp_noise=self.exp_noise.to(torch.float32),
+            draft_token_probs=None if q_tok is None else q_tok.to(torch.float32),
+        )
+
+    def _validate(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"verify rule {self.rule!r} is not one of {', '.join(RULES)}")
+        if self.bonus_probs.ndim != 2:
+            raise _shape_error("bonus_probs", "[B, V]", self.bonus_probs)
+        if self.draft_token_ids.ndim != 1:
+            raise _shape_error("draft_token_ids", "[T]", self.draft_token_ids)
+        b, v = self.bonus_probs.shape
+        t = self.draft_token_ids.shape[0]
+        expected: list[tuple[str, torch.Tensor | None, tuple[int, ...], str]] = [
+            ("cu_num_draft_tokens", self.cu_num_draft_tokens, (b,), f"[B={b}]"),
+            ("target_probs", self.target_probs, (t, v), f"[T={t}, V={v}]"),
+            ("is_greedy", self.is_greedy, (b,), f"[B={b}]"),
+            ("uniforms", self.uniforms, (t,), f"[T={t}]"),
+            ("exp_noise", self.exp_noise, (b, v), f"[B={b}, V={v}]"),
+            ("target_argmax", self.target_argmax, (t,), f"[T={t}]"),
+            ("draft_probs", self.draft_probs, (t, v), f"[T={t}, V={v}]"),
+            ("draft_token_probs", self.draft_token_probs, (t,), f"[T={t}]"),
+        ]
+        for name, tensor, shape, text in expected:
+            if tensor is not None and tuple(tensor.shape) != shape:
+                raise _shape_error(name, text, tensor)
+        if self.max_spec_len < 0:
+            raise ValueError(f"max_spec_len must be >= 0, got {self.max_spec_len}")
+        if self.rule == "standard" and self.draft_token_probs is not None:
+            raise ValueError(
+                "draft_token_probs is only used by rule='mtad'; the standard rule needs the "
+                "full draft_probs [T, V] (or None for a one-hot drafter)"
+            )
+        if self.rule == "mtad":
+            if self.draft_token_probs is None and self.draft_probs is None:
+                raise ValueError("rule='mtad' needs draft_token_probs [T] (or draft_probs [T, V])")
+            if not 0.0 < self.acceptance_threshold <= 1.0:
+                raise ValueError(
+                    f"acceptance_threshold must be in (0, 1], got {self.acceptance_threshold!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -162,10 +293,9 @@ def _prob_of_draft(probs: torch.Tensor, safe_ids: torch.Tensor) -> torch.Tensor:
     return probs.gather(1, safe_ids[:, None]).squeeze(1)
 
 
-def greedy_accept(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """[T] bool: draft equals the target argmax (first maximum on ties)."""
-    ok, _ = valid_draft_ids(draft_token_ids, target_probs.shape[-1])
-    return ok & (draft_token_ids.to(torch.int64) == target_probs.argmax(dim=-1))
+def greedy_accept(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the draft is the target's greedy token (-1 padding never is)."""
+    return draft_token_ids.to(torch.int64) == target_argmax.to(torch.int64)
 
 
 def rejection_accept(
@@ -238,91 +368,93 @@ def largest_passing_depth(
     return depth.amax(dim=1).to(torch.int64)
 
 
-def accepted_lengths(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None = None,
-    draft_token_probs: torch.Tensor | None = None,
-    acceptance_threshold: float = 1.0,
-    layout: RequestLayout | None = None,
-) -> torch.Tensor:
+def accepted_lengths(batch: VerifyBatch, layout: RequestLayout | None = None) -> torch.Tensor:
     """[B] int64 number of accepted drafts per request (the acceptance half of :func:`verify`)."""
     if layout is None:
-        layout = request_layout(cu_num_draft_tokens, draft_token_ids.shape[0], max_spec_len)
-    greedy = is_greedy.to(torch.bool)
+        layout = request_layout(batch.cu_num_draft_tokens, batch.num_tokens, batch.max_spec_len)
     if layout.num_tokens == 0:
         return torch.zeros_like(layout.num)
-    greedy_ok = _pad(greedy_accept(draft_token_ids, target_probs), layout, False)
+    assert batch.target_argmax is not None  # filled in by VerifyBatch
+    target_probs = batch.target_probs.to(torch.float32)
+    greedy_ok = _pad(greedy_accept(batch.draft_token_ids, batch.target_argmax), layout, False)
     n_greedy = first_rejection(greedy_ok, layout)
-    if rule == "mtad":
-        q_tok = draft_token_probs
-        if q_tok is None:
-            assert draft_probs is not None
-            _, safe = valid_draft_ids(draft_token_ids, target_probs.shape[-1])
-            q_tok = _prob_of_draft(draft_probs, safe)
-        terms = joint_log_ratio(draft_token_ids, target_probs, q_tok)
-        n_sampled = largest_passing_depth(terms, layout, acceptance_threshold)
+    if batch.rule == "mtad":
+        assert batch.draft_token_probs is not None  # filled in by VerifyBatch
+        terms = joint_log_ratio(batch.draft_token_ids, target_probs, batch.draft_token_probs)
+        n_sampled = largest_passing_depth(terms, layout, batch.acceptance_threshold)
     else:
-        ok = rejection_accept(draft_token_ids, target_probs, uniforms, draft_probs)
+        ok = rejection_accept(
+            batch.draft_token_ids, target_probs, batch.uniforms, batch.draft_probs
+        )
         n_sampled = first_rejection(_pad(ok, layout, False), layout)
-    return torch.where(greedy, n_greedy, n_sampled)
+    return torch.where(batch.is_greedy.to(torch.bool), n_greedy, n_sampled)
+
+
+def _extra_token_row(num_accepted: torch.Tensor, layout: RequestLayout) -> torch.Tensor:
+    """[B] int64 flat index of the first unaccepted draft (clamped in bounds)."""
+    return (layout.start + num_accepted).clamp(max=max(layout.num_tokens - 1, 0))
 
 
 def extra_token_distribution(
-    rule: str,
-    num_accepted: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    layout: RequestLayout,
-    draft_probs: torch.Tensor | None = None,
+    batch: VerifyBatch, num_accepted: torch.Tensor, layout: RequestLayout
 ) -> torch.Tensor:
-    """[B, V] unnormalised distribution of each request's one extra token.
+    """[B, V] unnormalised distribution of each sampled request's one extra token.
 
     Bonus distribution after a full accept; otherwise ``p`` at the first unaccepted
     position, replaced by the residual for sampled requests under ``"standard"``
     (``max(p - q, 0)``, or ``p`` without ``x`` for a one-hot drafter), with ``p`` as
     the fallback when the residual has no mass.
     """
-    at_bonus = num_accepted >= layout.num
+    bonus_probs = batch.bonus_probs.to(torch.float32)
     if layout.num_tokens == 0:
-        return bonus_probs.to(torch.float32)
-    row = (layout.start + num_accepted).clamp(max=layout.num_tokens - 1)
-    p_row = target_probs.index_select(0, row).to(torch.float32)
-    dist = torch.where(at_bonus[:, None], bonus_probs.to(torch.float32), p_row)
-    if rule != "standard":
+        return bonus_probs
+    at_bonus = num_accepted >= layout.num
+    row = _extra_token_row(num_accepted, layout)
+    p_row = batch.target_probs.index_select(0, row).to(torch.float32)
+    dist = torch.where(at_bonus[:, None], bonus_probs, p_row)
+    if batch.rule != "standard":
         return dist
-    if draft_probs is not None:
-        q_row = draft_probs.index_select(0, row).to(torch.float32)
+    if batch.draft_probs is not None:
+        q_row = batch.draft_probs.index_select(0, row).to(torch.float32)
         residual = (p_row - q_row).clamp(min=0)
     else:
         # Remove the rejected draft itself. An invalid id (-1) matches no column,
         # so its "residual" is p, which is what a non-proposal deserves.
-        x_row = draft_token_ids.to(torch.int64).index_select(0, row)
+        x_row = batch.draft_token_ids.to(torch.int64).index_select(0, row)
         vocab = torch.arange(p_row.shape[-1], device=p_row.device, dtype=torch.int64)
         residual = torch.where(vocab[None, :] == x_row[:, None], torch.zeros_like(p_row), p_row)
     has_mass = residual.amax(dim=-1) > 0
-    use_residual = ~is_greedy.to(torch.bool) & ~at_bonus & has_mass
+    use_residual = ~batch.is_greedy.to(torch.bool) & ~at_bonus & has_mass
     return torch.where(use_residual[:, None], residual, dist)
 
 
-def sample_extra_token(
-    dist: torch.Tensor, exp_noise: torch.Tensor, is_greedy: torch.Tensor
+def greedy_extra_token(
+    batch: VerifyBatch, num_accepted: torch.Tensor, layout: RequestLayout
 ) -> torch.Tensor:
-    """[B] int64: ``argmax(dist)`` for greedy rows, ``argmax(dist / noise)`` otherwise.
+    """[B] int64 a greedy request's extra token: ``target_argmax`` at the first mismatch,
+    the bonus distribution's first maximum after a full accept."""
+    bonus_token = batch.bonus_probs.to(torch.float32).argmax(dim=-1)
+    if layout.num_tokens == 0:
+        return bonus_token
+    assert batch.target_argmax is not None  # filled in by VerifyBatch
+    at_row = batch.target_argmax.index_select(0, _extra_token_row(num_accepted, layout))
+    return torch.where(num_accepted >= layout.num, bonus_token, at_row)
+
+
+def sample_extra_token(
+    dist: torch.Tensor,
+    exp_noise: torch.Tensor,
+    is_greedy: torch.Tensor,
+    greedy_token: torch.Tensor,
+) -> torch.Tensor:
+    """[B] int64: ``greedy_token`` for greedy rows, ``argmax(dist / noise)`` otherwise.
 
     ``dist / noise`` is evaluated as ``dist * (1 / max(noise, tiny))`` in float32, the
     same rounding as the Triton kernel. Ties go to the first index (``torch.argmax``).
     """
     inv_noise = exp_noise.to(torch.float32).clamp(min=_TINY).reciprocal()
-    score = torch.where(is_greedy.to(torch.bool)[:, None], dist, dist * inv_noise)
-    return score.argmax(dim=-1)
+    sampled = (dist * inv_noise).argmax(dim=-1)
+    return torch.where(is_greedy.to(torch.bool), greedy_token.to(torch.int64), sampled)
 
 
 def assemble_output(
@@ -347,138 +479,15 @@ def num_accepted_from_output(output_token_ids: torch.Tensor) -> torch.Tensor:
     return (output_token_ids != PLACEHOLDER_TOKEN_ID).sum(dim=-1) - 1
 
 
-def check_verify_args(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    exp_noise: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None,
-    draft_token_probs: torch.Tensor | None,
-    acceptance_threshold: float,
-) -> None:
-    """Shape and argument checks shared by every backend (host metadata only, no sync)."""
-    if rule not in RULES:
-        raise ValueError(f"verify rule {rule!r} is not one of {', '.join(RULES)}")
-    t = draft_token_ids.shape[0]
-    b, v = bonus_probs.shape
-    if draft_token_ids.ndim != 1:
-        raise ValueError(f"draft_token_ids must be [T], got {tuple(draft_token_ids.shape)}")
-    if tuple(cu_num_draft_tokens.shape) != (b,):
-        raise ValueError(
-            f"cu_num_draft_tokens must be [B={b}], got {tuple(cu_num_draft_tokens.shape)}"
-        )
-    if tuple(target_probs.shape) != (t, v):
-        raise ValueError(f"target_probs must be [T={t}, V={v}], got {tuple(target_probs.shape)}")
-    if tuple(is_greedy.shape) != (b,):
-        raise ValueError(f"is_greedy must be [B={b}], got {tuple(is_greedy.shape)}")
-    if tuple(uniforms.shape) != (t,):
-        raise ValueError(f"uniforms must be [T={t}], got {tuple(uniforms.shape)}")
-    if tuple(exp_noise.shape) != (b, v):
-        raise ValueError(f"exp_noise must be [B={b}, V={v}], got {tuple(exp_noise.shape)}")
-    if max_spec_len < 0:
-        raise ValueError(f"max_spec_len must be >= 0, got {max_spec_len}")
-    if draft_probs is not None and tuple(draft_probs.shape) != (t, v):
-        raise ValueError(f"draft_probs must be [T={t}, V={v}], got {tuple(draft_probs.shape)}")
-    if rule == "standard" and draft_token_probs is not None:
-        raise ValueError(
-            "draft_token_probs is only used by rule='mtad'; the standard rule needs the full "
-            "draft_probs [T, V] (or None for a one-hot drafter)"
-        )
-    if rule == "mtad":
-        if draft_token_probs is None and draft_probs is None:
-            raise ValueError("rule='mtad' needs draft_token_probs [T] (or draft_probs [T, V])")
-        if draft_token_probs is not None and tuple(draft_token_probs.shape) != (t,):
-            raise ValueError(
-                f"draft_token_probs must be [T={t}], got {tuple(draft_token_probs.shape)}"
-            )
-        if not 0.0 < acceptance_threshold <= 1.0:
-            raise ValueError(
-                f"acceptance_threshold must be in (0, 1], got {acceptance_threshold!r}"
-            )
-
-
-def verify(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    exp_noise: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None = None,
-    draft_token_probs: torch.Tensor | None = None,
-    acceptance_threshold: float = 1.0,
-) -> torch.Tensor:
-    """Verify a ragged batch of drafts; return ``[B, max_spec_len + 1]`` int64 tokens.
-
-    Args:
-        rule: ``"standard"`` (lossless rejection sampling) or ``"mtad"`` (joint
-            likelihood threshold). Greedy requests use the greedy rule under both.
-        draft_token_ids: [T] int flattened drafts.
-        cu_num_draft_tokens: [B] int inclusive cumsum of per-request draft counts.
-        target_probs: [T, V] float32 warped target probabilities at each draft.
-        bonus_probs: [B, V] warped target probabilities after each request's last draft.
-        is_greedy: [B] bool; for greedy rows only the argmax of the probs matters.
-        uniforms: [T] float in [0, 1) acceptance randomness (used as float32).
-        exp_noise: [B, V] Exp(1) noise; the single extra token per request is
-            ``argmax(dist / noise)``.
-        max_spec_len: K, the output has K + 1 columns.
-        draft_probs: standard: [T, V] full draft probabilities, or None for a one-hot
-            drafter. mtad: optional source of ``q_j(x_j)`` if ``draft_token_probs`` is None.
-        draft_token_probs: mtad: [T] draft probability of each drafted token.
-        acceptance_threshold: mtad ``tau`` in (0, 1].
-
-    Returns:
-        [B, K + 1] int64: accepted drafts, one extra token, then -1 (PLACEHOLDER).
-    """
-    check_verify_args(
-        rule,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        target_probs,
-        bonus_probs,
-        is_greedy,
-        uniforms,
-        exp_noise,
-        max_spec_len,
-        draft_probs,
-        draft_token_probs,
-        acceptance_threshold,
-    )
-    if bonus_probs.shape[0] == 0:
-        return torch.empty((0, max_spec_len + 1), dtype=torch.int64, device=bonus_probs.device)
-    target_probs = target_probs.to(torch.float32)
-    is_greedy = is_greedy.to(torch.bool)
-    layout = request_layout(cu_num_draft_tokens, draft_token_ids.shape[0], max_spec_len)
-    num_accepted = accepted_lengths(
-        rule,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        target_probs,
-        is_greedy,
-        uniforms,
-        max_spec_len,
-        draft_probs=draft_probs,
-        draft_token_probs=draft_token_probs,
-        acceptance_threshold=acceptance_threshold,
-        layout=layout,
-    )
-    dist = extra_token_distribution(
-        rule,
-        num_accepted,
-        draft_token_ids,
-        target_probs,
-        bonus_probs,
-        is_greedy,
-        layout,
-        draft_probs=draft_probs if rule == "standard" else None,
-    )
-    extra = sample_extra_token(dist, exp_noise, is_greedy)
-    return assemble_output(draft_token_ids, num_accepted, extra, layout)
+def verify(batch: VerifyBatch) -> torch.Tensor:
+    """Verify a ragged batch of drafts; return ``[B, max_spec_len + 1]`` int64 tokens:
+    accepted drafts, one extra token, then -1 (PLACEHOLDER). Rules: module docstring."""
+    k = batch.max_spec_len
+    if batch.num_requests == 0:
+        return torch.empty((0, k + 1), dtype=torch.int64, device=batch.bonus_probs.device)
+    layout = request_layout(batch.cu_num_draft_tokens, batch.num_tokens, k)
+    num_accepted = accepted_lengths(batch, layout)
+    dist = extra_token_distribution(batch, num_accepted, layout)
+    greedy_token = greedy_extra_token(batch, num_accepted, layout)
+    extra = sample_extra_token(dist, batch.exp_noise, batch.is_greedy, greedy_token)
+    return assemble_output(batch.draft_token_ids, num_accepted, extra, layout)

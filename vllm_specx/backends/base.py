@@ -8,35 +8,18 @@ device-specific kernels live in exactly one module per device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+from vllm_specx.algorithms.verify import VerifyBatch
 
-class VerifyFn(Protocol):
-    """The verification entry point every backend provides.
-
-    Same contract as :func:`vllm_specx.algorithms.verify.verify`: ragged vLLM layout
-    in, ``[B, max_spec_len + 1]`` int64 tokens out (-1 where nothing was emitted).
-    """
-
-    def __call__(
-        self,
-        rule: str,
-        draft_token_ids: torch.Tensor,
-        cu_num_draft_tokens: torch.Tensor,
-        target_probs: torch.Tensor,
-        bonus_probs: torch.Tensor,
-        is_greedy: torch.Tensor,
-        uniforms: torch.Tensor,
-        exp_noise: torch.Tensor,
-        max_spec_len: int,
-        draft_probs: torch.Tensor | None = None,
-        draft_token_probs: torch.Tensor | None = None,
-        acceptance_threshold: float = 1.0,
-    ) -> torch.Tensor: ...
+# The verification entry point every backend provides: one validated batch in
+# (:class:`~vllm_specx.algorithms.verify.VerifyBatch`), ``[B, max_spec_len + 1]`` int64
+# tokens out (-1 where nothing was emitted). The rules are
+# :func:`vllm_specx.algorithms.verify.verify`'s.
+VerifyFn = Callable[[VerifyBatch], torch.Tensor]
 
 
 # vLLM's rejection sampler asserts ``max_spec_len <= MAX_SPEC_LEN``
@@ -78,16 +61,10 @@ class DeviceLimits:
 
 @dataclass(frozen=True)
 class Backend:
-    """One device backend: a name, its limits, and its kernel implementation.
-
-    ``verify`` is the backend's sampler entry point (:class:`VerifyFn`); every shipped
-    backend sets it. It is kept optional so a limits-only backend (config validation)
-    can still be declared.
-    """
+    """One device backend: a name, its limits, and its verification kernel."""
 
     name: str  # "cuda", "npu" or "cpu"
     kernel_impl: str  # e.g. "triton", "torch"
     limits: DeviceLimits
+    verify: VerifyFn
     description: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-    verify: VerifyFn | None = None

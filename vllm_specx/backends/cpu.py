@@ -13,6 +13,6 @@ BACKEND = Backend(
         max_beam_positions=256,
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
     ),
-    description="vectorised PyTorch on the host",
     verify=verify,
+    description="vectorised PyTorch on the host",
 )

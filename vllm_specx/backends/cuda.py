@@ -7,17 +7,16 @@ neither Triton nor a GPU. ROCm reports device type "cuda" and runs the same kern
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.backends.base import Backend, DeviceLimits
 
 __all__ = ["BACKEND", "verify"]
 
 
-def verify(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """Triton verification (contract: :class:`vllm_specx.backends.base.VerifyFn`).
+def verify(batch: VerifyBatch) -> torch.Tensor:
+    """Triton verification (contract: :data:`vllm_specx.backends.base.VerifyFn`).
 
     Two launches: a token-parallel acceptance kernel and a per-request kernel that
     scans the drafts, samples the one extra token and writes the output row.
@@ -25,7 +24,7 @@ def verify(*args: Any, **kwargs: Any) -> torch.Tensor:
     """
     from vllm_specx.backends import triton_verify  # lazy: Triton only when used
 
-    return triton_verify.verify(*args, **kwargs)
+    return triton_verify.verify(batch)
 
 
 BACKEND = Backend(
@@ -36,6 +35,6 @@ BACKEND = Backend(
         max_beam_positions=256,
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
     ),
-    description="Triton kernels (also run on CPU under TRITON_INTERPRET=1 in tests)",
     verify=verify,
+    description="Triton kernels (also run on CPU under TRITON_INTERPRET=1 in tests)",
 )

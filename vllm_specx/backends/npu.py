@@ -5,7 +5,9 @@ machine, and the verification path needs nothing from torch_npu beyond the ordin
 ``torch`` ops it registers for the "npu" device once vLLM-Ascend has loaded it.
 
 Verification runs the same vectorised torch code as the CPU backend
-(:mod:`vllm_specx.algorithms.verify`), which was written to stay inside what
+(:mod:`vllm_specx.algorithms.verify`); the two differ only in their limits and in one
+cast: the randomness vLLM draws in float64 is cast to float32 before anything else
+runs. That code was written to stay inside what
 torch_npu runs natively (checked op by op in ``tests/backends/test_npu_ops.py``):
 
 * elementwise: ``where``, comparisons, ``&``/``|``/``~``, ``sub``/``mul``,
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specx.algorithms import verify as _torch_verify
+from vllm_specx.algorithms.verify import VerifyBatch
+from vllm_specx.algorithms.verify import verify as torch_verify
 from vllm_specx.backends.base import Backend, DeviceLimits
 
 __all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "verify"]
@@ -34,41 +37,10 @@ __all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "verify"]
 ASCEND_MAX_QUERY_TOKENS = 16  # npu_fused_infer_attention_score, TND layout
 
 
-def verify(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    exp_noise: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None = None,
-    draft_token_probs: torch.Tensor | None = None,
-    acceptance_threshold: float = 1.0,
-) -> torch.Tensor:
-    """NPU verification (contract of :func:`vllm_specx.algorithms.verify.verify`).
-
-    The randomness is cast to float32 here, before any arithmetic, so no float64
-    kernel ever runs on the device.
-    """
-    return _torch_verify.verify(
-        rule,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        target_probs,
-        bonus_probs,
-        is_greedy,
-        _torch_verify.as_float32_uniforms(uniforms),
-        exp_noise.to(torch.float32),
-        max_spec_len,
-        draft_probs=draft_probs,
-        draft_token_probs=(
-            None if draft_token_probs is None else draft_token_probs.to(torch.float32)
-        ),
-        acceptance_threshold=acceptance_threshold,
-    )
+def verify(batch: VerifyBatch) -> torch.Tensor:
+    """The CPU backend's torch path on the batch with float32 randomness, so no
+    float64 kernel ever runs on the device."""
+    return torch_verify(batch.with_float32_randomness())
 
 
 BACKEND = Backend(
@@ -86,6 +58,6 @@ BACKEND = Backend(
             "capture sizes grow with it"
         ),
     ),
-    description="torch ops that torch_npu supports; no Triton",
     verify=verify,
+    description="torch ops that torch_npu supports; no Triton",
 )

@@ -3,14 +3,15 @@
 Two kernels, no Python loop over requests or tokens, no host synchronisation:
 
 * ``token_accept`` (one program per draft token): the per-token decision. Greedy
-  requests: is the draft the target argmax (first maximum)? ``standard``: the
+  requests: is the draft the batch's ``target_argmax``? ``standard``: the
   ``u * q(x) < p(x)`` test (``u < p(x)`` for a one-hot drafter). ``mtad``: the term
   ``log p(x) - log q(x)`` (``-inf`` for zero or invalid). Token-parallel, because a
   greedy check reads a whole vocabulary row and requests are short.
 * ``finish`` (one program per request): scans its drafts for the accepted length
   (first rejection, or MTAD's largest passing depth), then makes ONE pass over the
   vocabulary for the extra token (bonus / residual / ``p_{a+1}``; exponential race
-  ``argmax(dist * (1 / noise))``), and writes the request's output row.
+  ``argmax(dist * (1 / noise))``; a greedy request's ``target_argmax`` at its first
+  mismatch), and writes the request's output row.
 
 The arithmetic is chosen to round exactly like the torch path: acceptance is a
 product, not a quotient; ``1 / noise`` uses IEEE division (``div_rn``); the residual
@@ -28,13 +29,12 @@ imports it only when ``verify`` is first called.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_specx.algorithms.verify import as_float32_uniforms, check_verify_args
+from vllm_specx.algorithms.verify import VerifyBatch, as_float32_uniforms
 from vllm_specx.envflags import env_flag
 
 __all__ = ["verify", "verify_with_num_accepted", "interpreter_enabled"]
@@ -50,6 +50,7 @@ _MAX_BLOCK_V = 4096
 def _token_accept(
     draft_ptr,  # [T] int
     tok_greedy_ptr,  # [T] int8: the token's request is greedy
+    argmax_ptr,  # [T] int64: the target's greedy token
     target_ptr,  # [T, V] float32
     draft_probs_ptr,  # [T, V] float32 (MODE_STANDARD only)
     q_tok_ptr,  # [T] float32 (MODE_MTAD only)
@@ -67,17 +68,7 @@ def _token_accept(
     greedy = tl.load(tok_greedy_ptr + t) != 0
     row = target_ptr + t * V
     if greedy:
-        best = tl.full((), float("-inf"), tl.float32)
-        best_id = tl.full((), 0, tl.int64)
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            p = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-            local, local_id = tl.max(p, axis=0, return_indices=True)
-            # Strict '>' keeps the earlier block on ties: torch.argmax's first maximum.
-            better = local > best
-            best_id = tl.where(better, (v0 + local_id).to(tl.int64), best_id)
-            best = tl.where(better, local, best)
-        tl.store(ok_ptr + t, (id_ok & (best_id == x)).to(tl.int8))
+        tl.store(ok_ptr + t, (x == tl.load(argmax_ptr + t)).to(tl.int8))
     else:
         p_x = tl.load(row + xs)
         if MODE == 2:
@@ -100,6 +91,7 @@ def _finish(
     num_accepted_ptr,  # [B] int64 out
     cu_ptr,  # [B] int64
     draft_ptr,  # [T] int
+    argmax_ptr,  # [T] int64: the target's greedy token
     ok_ptr,  # [T] int8
     term_ptr,  # [T] float32
     target_ptr,  # [T, V] float32
@@ -186,6 +178,10 @@ def _finish(
     token = id_p
     if MODE != 2:
         token = tl.where(use_res & (res_max > 0), id_r, id_p)
+    # A greedy request's token before the bonus is the batch's target_argmax (taken
+    # from the logits, as vLLM does), not the argmax of the float32 probabilities.
+    greedy_at_row = tl.load(argmax_ptr + row, mask=greedy & (a < n), other=0)
+    token = tl.where(greedy & (a < n), greedy_at_row, token)
 
     cols = tl.arange(0, BLOCK_K)
     drafts = tl.load(draft_ptr + start + cols, mask=cols < a, other=-1).to(tl.int64)
@@ -212,57 +208,39 @@ def _kernels() -> tuple:
     return kernels
 
 
-def verify_with_num_accepted(
-    rule: str,
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    target_probs: torch.Tensor,
-    bonus_probs: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
-    exp_noise: torch.Tensor,
-    max_spec_len: int,
-    draft_probs: torch.Tensor | None = None,
-    draft_token_probs: torch.Tensor | None = None,
-    acceptance_threshold: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_with_num_accepted(batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify` plus the [B] int64 accepted counts the kernel already knows."""
-    check_verify_args(
-        rule, draft_token_ids, cu_num_draft_tokens, target_probs, bonus_probs, is_greedy,
-        uniforms, exp_noise, max_spec_len, draft_probs, draft_token_probs, acceptance_threshold,
-    )  # fmt: skip
-    device = bonus_probs.device
+    device = batch.bonus_probs.device
     if device.type == "cpu" and not interpreter_enabled():
         raise RuntimeError(
             "the cuda backend's Triton verify needs CUDA tensors (or TRITON_INTERPRET=1 "
             "to run the kernels on CPU in tests)"
         )
-    b, v = bonus_probs.shape
-    t = draft_token_ids.shape[0]
-    k = max_spec_len
+    b, v = batch.num_requests, batch.vocab_size
+    t = batch.num_tokens
+    k = batch.max_spec_len
     out = torch.empty((b, k + 1), dtype=torch.int64, device=device)
     num_accepted = torch.empty((b,), dtype=torch.int64, device=device)
     if b == 0:
         return out, num_accepted
     token_accept, finish = _kernels()
 
-    if rule == "mtad":
+    draft_probs = batch.draft_probs
+    if batch.rule == "mtad":
         mode = MODE_MTAD
-        if draft_token_probs is None:
-            assert draft_probs is not None  # check_verify_args guarantees one of them
-            safe = draft_token_ids.to(torch.int64).clamp(0, v - 1)
-            draft_token_probs = draft_probs.gather(1, safe[:, None]).squeeze(1)
-        draft_probs = None
+        draft_probs = None  # q comes from draft_token_probs (VerifyBatch fills it in)
     else:
         mode = MODE_ONE_HOT if draft_probs is None else MODE_STANDARD
 
-    drafts = draft_token_ids.contiguous()
-    target = target_probs.to(torch.float32).contiguous()
-    bonus = bonus_probs.to(torch.float32).contiguous()
-    noise = exp_noise.to(torch.float32).contiguous()
+    drafts = batch.draft_token_ids.contiguous()
+    assert batch.target_argmax is not None  # filled in by VerifyBatch
+    target_argmax = batch.target_argmax.contiguous()
+    target = batch.target_probs.to(torch.float32).contiguous()
+    bonus = batch.bonus_probs.to(torch.float32).contiguous()
+    noise = batch.exp_noise.to(torch.float32).contiguous()
     q_full = draft_probs.to(torch.float32).contiguous() if draft_probs is not None else target
-    cu = cu_num_draft_tokens.to(torch.int64).contiguous()
-    greedy = is_greedy.to(torch.int8).contiguous()
+    cu = batch.cu_num_draft_tokens.to(torch.int64).contiguous()
+    greedy = batch.is_greedy.to(torch.int8).contiguous()
     ok = torch.zeros((t,), dtype=torch.int8, device=device)
     term = torch.zeros((t,), dtype=torch.float32, device=device)
     block_v = min(triton.next_power_of_2(max(v, 1)), _MAX_BLOCK_V)
@@ -273,25 +251,27 @@ def verify_with_num_accepted(
         req = torch.searchsorted(cu, token_pos, right=True).clamp(max=b - 1)
         tok_greedy = greedy.index_select(0, req).contiguous()
         q_tok = (
-            draft_token_probs.to(torch.float32).contiguous()
-            if draft_token_probs is not None
+            batch.draft_token_probs.to(torch.float32).contiguous()
+            if batch.draft_token_probs is not None
             else term
         )
         token_accept[(t,)](
-            drafts, tok_greedy, target, q_full, q_tok,
-            as_float32_uniforms(uniforms).contiguous(), ok, term, v,
+            drafts, tok_greedy, target_argmax, target, q_full, q_tok,
+            as_float32_uniforms(batch.uniforms).contiguous(), ok, term, v,
             MODE=mode, BLOCK_V=block_v,
         )  # fmt: skip
 
-    log_tau = math.log(acceptance_threshold) if rule == "mtad" else 0.0
+    log_tau = math.log(batch.acceptance_threshold) if batch.rule == "mtad" else 0.0
+    # An empty target_argmax (no drafts) still needs a valid pointer: pass ``cu``.
+    argmax_arg = target_argmax if t > 0 else cu
     finish[(b,)](
-        out, num_accepted, cu, drafts, ok, term, target, q_full, bonus, noise, greedy,
-        v, k, log_tau,
+        out, num_accepted, cu, drafts, argmax_arg, ok, term, target, q_full, bonus, noise,
+        greedy, v, k, log_tau,
         MODE=mode, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(k + 1),
     )  # fmt: skip
     return out, num_accepted
 
 
-def verify(*args: Any, **kwargs: Any) -> torch.Tensor:
+def verify(batch: VerifyBatch) -> torch.Tensor:
     """Triton implementation of :func:`vllm_specx.algorithms.verify.verify` (same contract)."""
-    return verify_with_num_accepted(*args, **kwargs)[0]
+    return verify_with_num_accepted(batch)[0]

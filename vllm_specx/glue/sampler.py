@@ -29,6 +29,7 @@ from vllm.v1.sample.rejection_sampler import (
     generate_uniform_probs,
 )
 
+from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.backends.base import Backend
 from vllm_specx.methods import METHODS
 
@@ -78,9 +79,7 @@ class SpecxRejectionSampler(RejectionSampler):
             target_logits = apply_sampling_constraints(
                 target_logits, metadata.cu_num_draft_tokens, sampling_metadata
             )
-        target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-
-        output_token_ids = self._verify(metadata, draft_probs, target_probs,
+        output_token_ids = self._verify(metadata, draft_probs, target_logits,
                                         bonus_token_ids, sampling_metadata)
 
         logprobs_tensors = None
@@ -94,17 +93,30 @@ class SpecxRejectionSampler(RejectionSampler):
                              logprobs_tensors=logprobs_tensors)
 
     def _verify(self, metadata: Any, draft_probs: torch.Tensor | None,
-                target_probs: torch.Tensor, bonus_token_ids: torch.Tensor,
+                target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
                 sampling_metadata: Any) -> torch.Tensor:
+        """Build the batch from vLLM's step and run the backend's verify.
+
+        ``target_logits``: [T, V] float32 after logits processors and sampling
+        constraints, the very tensor vLLM's ``rejection_sample`` takes its greedy argmax
+        of. The greedy token is taken here from those logits, as vLLM does, not from
+        the probabilities: two logits closer than float32 softmax resolution become
+        equal probabilities, whose argmax would be the lower index where vLLM's is the
+        other, and a greedy request would then differ from no speculation.
+        """
         num_draft_tokens: list[int] = list(metadata.num_draft_tokens)
         batch_size = len(num_draft_tokens)
-        num_tokens, vocab_size = target_probs.shape
-        device = target_probs.device
+        num_tokens, vocab_size = target_logits.shape
+        device = target_logits.device
+        target_argmax = target_logits.argmax(dim=-1)
+        target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
 
         if sampling_metadata.all_greedy:
             is_greedy = torch.ones(batch_size, dtype=torch.bool, device=device)
         else:
             is_greedy = sampling_metadata.temperature == GREEDY_TEMPERATURE
+        # vLLM's own bonus token (its full sampler, greedy included) as a one-hot row,
+        # so the rule emits exactly that token after a full accept.
         bonus_probs = torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=device)
         bonus_probs.scatter_(1, bonus_token_ids.view(-1, 1).long(), 1.0)
 
@@ -128,18 +140,19 @@ class SpecxRejectionSampler(RejectionSampler):
                 token_q = draft_probs.to(torch.float32)
             else:
                 full_q = draft_probs.to(torch.float32)
-        out = self.backend.verify(
-            self.rule,
-            metadata.draft_token_ids,
-            metadata.cu_num_draft_tokens,
-            target_probs,
-            bonus_probs,
-            is_greedy,
-            uniforms,
-            exp_noise,
-            metadata.max_spec_len,
+        batch = VerifyBatch(
+            rule=self.rule,
+            draft_token_ids=metadata.draft_token_ids,
+            cu_num_draft_tokens=metadata.cu_num_draft_tokens,
+            target_probs=target_probs,
+            bonus_probs=bonus_probs,
+            is_greedy=is_greedy,
+            uniforms=uniforms,
+            exp_noise=exp_noise,
+            max_spec_len=metadata.max_spec_len,
+            target_argmax=target_argmax,
             draft_probs=full_q,
             draft_token_probs=token_q,
             acceptance_threshold=self.acceptance_threshold,
         )
-        return out.to(torch.int32)  # SamplerOutput.sampled_token_ids is int32
+        return self.backend.verify(batch).to(torch.int32)  # sampled_token_ids is int32
