@@ -358,7 +358,10 @@ def config_only_model(tmp_path_factory) -> str:
     [("mtad", 'speculative_config = "mtad" is not allowed'),
      ([1, 2], "speculative_config = [1, 2] is not allowed"),
      ({"method": "mtad", "model": "d", "num_speculative_tokens": None},
-      'speculative_config["num_speculative_tokens"] = null is not allowed')],
+      'speculative_config["num_speculative_tokens"] = null is not allowed'),
+     # Passed validation before and then killed the engine at the sampler's assertion.
+     ({"method": "mtad", "model": "d", "num_speculative_tokens": 129, "num_beams": 1},
+      'speculative_config["num_speculative_tokens"] = 129 is not allowed')],
 )
 def test_engine_args_refuse_with_our_line(config_only_model, value, shown):
     """Through vLLM's own EngineArgs: our line, not vLLM's 3-line pydantic error or a raw

@@ -5,25 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from vllm_specx.glue.mtad_proposer import (
-    MTADDraftStats,
-    MTADProposer,
-    lexicographic_order,
-)
+from vllm_specx.glue.mtad_proposer import MTADDraftStats, MTADProposer
 from vllm_specx.glue.patches import specx_settings
 from vllm_specx.methods import METHODS
 
-
-def test_lexicographic_order_sorts_tails_per_row():
-    g = torch.Generator().manual_seed(0)
-    tails = torch.randint(0, 3, (6, 5, 3), generator=g)
-    order = lexicographic_order(tails)
-    for r in range(6):
-        rows = [tuple(tails[r, b].tolist()) for b in order[r].tolist()]
-        assert rows == sorted(rows)
-        assert sorted(order[r].tolist()) == list(range(5))
+# The beam tails' visiting order, reuse and pass splitting are pure algorithm now:
+# tests/algorithms/test_beam_tails.py.
 
 
 def test_settings_come_from_additional_config():

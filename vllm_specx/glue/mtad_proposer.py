@@ -29,6 +29,10 @@ only the positions vLLM's own draft-model drafter writes (the request's lookahea
   Without that reuse the cost is ``B * K * (K-1) / 2`` draft tokens per request per round
   on top of the first pass (``reuse_kv_prefix = False`` measures it).
 
+The visiting order, the reuse (where each tail's feed starts) and the split of a pass
+into passes that fit the drafter's token buffers are pure functions in
+:mod:`vllm_specx.algorithms.beam_tails`, tested there; this module only runs the passes.
+
 Nothing is allocated beyond what vLLM already reserves, and the slots written are the
 ones vanilla drafting writes, so prefix caching, chunked prefill and preemption see the
 same KV-cache bookkeeping as with ``method="draft_model"``: the next round's first pass
@@ -71,6 +75,11 @@ from vllm_specx.algorithms.beam_draft import (
     recompute_tail_cost,
     warp_logprobs,
 )
+from vllm_specx.algorithms.beam_tails import (
+    lexicographic_order,
+    split_rows_by_token_budget,
+    tail_feed_start,
+)
 
 
 @dataclass
@@ -108,19 +117,6 @@ class MTADDraftStats:
             "tail_forward_passes": self.tail_forward_passes,
             "full_recompute_tail_tokens": self.full_recompute_tail_tokens,
         }
-
-
-def lexicographic_order(tails: torch.Tensor) -> torch.Tensor:
-    """[R, B] permutation sorting each row's beams by their token tails [R, B, j]
-    (stable radix sort from the last column), so that beams sharing a prefix are adjacent.
-    """
-    rows, beams, depth = tails.shape
-    order = torch.arange(beams, device=tails.device).expand(rows, beams).contiguous()
-    for col in reversed(range(depth)):
-        keys = tails[:, :, col].gather(1, order)
-        perm = torch.sort(keys, dim=1, stable=True).indices
-        order = order.gather(1, perm)
-    return order
 
 
 class MTADProposer(DraftModelProposer):
@@ -366,28 +362,13 @@ class _TailWriter:
         """Make ``tails[r]`` ([R, j]) the content of request r's lookahead slots and return
         the draft logits after its last token ([R, V]), tokens fed, passes run."""
         tails_cpu = tails.to("cpu", torch.int64)
-        rows, j = tails_cpu.shape
-        cols = torch.arange(j)
-        if self.p.reuse_kv_prefix:
-            agree = (self.held[:, :j] == tails_cpu) & (cols < self.held_len.unsqueeze(1))
-            common = agree.to(torch.int64).cumprod(dim=1).sum(dim=1)
-            # The last tail token always goes in: its output is the logits we need.
-            start = torch.clamp(common, max=j - 1)
-        else:
-            start = torch.zeros(rows, dtype=torch.int64)
+        j = tails_cpu.shape[1]
+        start = tail_feed_start(self.held, self.held_len, tails_cpu, reuse=self.p.reuse_kv_prefix)
         q_lens = j - start
         logits_parts = []
-        tokens = passes = 0
-        lo = 0
-        while lo < rows:
-            hi, total = lo, 0
-            while hi < rows and (hi == lo or total + int(q_lens[hi]) <= self.max_tokens):
-                total += int(q_lens[hi])
-                hi += 1
+        for lo, hi in split_rows_by_token_budget(q_lens, self.max_tokens):
             logits_parts.append(self._pass(lo, hi, tails_cpu[lo:hi], start[lo:hi]))
-            tokens += total
-            passes += 1
-            lo = hi
+        tokens, passes = int(q_lens.sum()), len(logits_parts)
         self.held[:, :j] = tails_cpu
         self.held_len.fill_(j)
         return torch.cat(logits_parts, dim=0), tokens, passes
