@@ -1,4 +1,5 @@
-"""Beam-search drafting for MTAD (design.md section 2, seed 000).
+"""Beam-search drafting for MTAD (multi-token assisted decoding: Qin et al., "Optimized
+Multi-Token Joint Decoding with Auxiliary Model for LLM Inference").
 
 Pure PyTorch, no vLLM import: the same code drives the in-vLLM drafter
 (``vllm_specx.glue.mtad_proposer``) and the Hugging Face reference loop used in tests.
