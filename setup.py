@@ -11,7 +11,7 @@ The same specifier is the supported range that the plugin checks at load time
 
 from setuptools import find_packages, setup
 
-SUPPORTED_VLLM = ">=0.32.0,<0.33"
+SUPPORTED_VLLM = ">=0.32.0,<0.34"
 
 setup(
     name="vllm-specx",

@@ -18,7 +18,7 @@ from vllm_specx.envflags import env_flag
 
 SKIP_ENV = "VLLM_SPECX_SKIP_VERSION_CHECK"
 # Used only when the package metadata is unavailable (e.g. running from a source tree).
-FALLBACK_RANGE = ">=0.32.0,<0.33"
+FALLBACK_RANGE = ">=0.32.0,<0.34"
 
 
 class UnsupportedVllmVersion(RuntimeError):

@@ -71,13 +71,41 @@ def test_unknown_vllm_release_raises_before_registering(unregistered, monkeypatc
     assert cpu_ops._library is None
 
 
+# The release under test: these tests follow the installed vLLM (0.32.0 in the README's
+# set-up, 0.33.0 under scripts/test_vllm033.sh).
+INSTALLED = drift.release_key(drift.installed_vllm_version())
+
+
+def test_unknown_release_with_drift_bypass_reports_the_table_it_borrowed(
+    unregistered, monkeypatch
+):
+    monkeypatch.setenv(drift.ALLOW_DRIFT_ENV, "1")
+    monkeypatch.setattr(cpu_ops, "_current_device_type", lambda: "cpu")
+    monkeypatch.setattr(cpu_ops, "_load_compiled_kernels", lambda: None)
+    monkeypatch.setattr(cpu_ops, "_compiled_cpu_attention_present", lambda: False)
+    monkeypatch.setattr(drift, "installed_vllm_version", lambda: "0.99.1")
+    monkeypatch.setattr(drift, "verify_vllm_call_sites", lambda release, version: None)
+    monkeypatch.setattr(drift, "install_namespace_guard", lambda version, ops: None)
+    from vllm_specx.cpu_ops import kernel_overrides, vllm_fixes
+
+    monkeypatch.setattr(kernel_overrides, "install", lambda names: list(names))
+    monkeypatch.setattr(vllm_fixes, "apply", lambda names: None)
+    defined = []
+    monkeypatch.setattr(cpu_ops, "_define_ops", lambda ops: defined.append(ops) or object())
+    assert cpu_ops.register_cpu_reference_ops_if_needed() is True
+    newest = supported_releases()[-1]
+    assert cpu_ops.registered_release() == newest != "0.99.1"
+    assert defined == [RELEASES[newest].ops]
+
+
 def test_real_registration_is_idempotent(reference_ops):
     schemas_before = {
-        name: str(getattr(torch.ops._C, name).default._schema) for name in RELEASES["0.32.0"].ops
+        name: str(getattr(torch.ops._C, name).default._schema)
+        for name in RELEASES[INSTALLED].ops
     }
     assert cpu_ops.register_cpu_reference_ops_if_needed() is True
     assert cpu_ops.register_cpu_reference_ops_if_needed() is True
-    assert cpu_ops.registered_release() == "0.32.0"
+    assert cpu_ops.registered_release() == INSTALLED
     for name, schema in schemas_before.items():
         assert str(getattr(torch.ops._C, name).default._schema) == schema
 
@@ -102,11 +130,14 @@ def test_release_key_ignores_local_build_label():
 def test_select_release(monkeypatch):
     monkeypatch.delenv(drift.ALLOW_DRIFT_ENV, raising=False)
     assert drift.select_release("0.32.0+cpu") is RELEASES["0.32.0"]
+    assert drift.select_release("0.33.0") is RELEASES["0.33.0"]
+    assert drift.select_release(f"{INSTALLED}+cpu") is RELEASES[INSTALLED]
     with pytest.raises(drift.CpuOpsDriftError) as info:
-        drift.select_release("0.33.0")
-    assert "0.33.0" in str(info.value) and drift.ALLOW_DRIFT_ENV in str(info.value)
+        drift.select_release("0.34.0")
+    assert "0.34.0" in str(info.value) and drift.ALLOW_DRIFT_ENV in str(info.value)
     monkeypatch.setenv(drift.ALLOW_DRIFT_ENV, "1")
-    assert drift.select_release("0.33.0") is RELEASES[supported_releases()[-1]]
+    assert drift.select_release_key("0.34.0") == supported_releases()[-1]
+    assert drift.select_release("0.34.0") is RELEASES[supported_releases()[-1]]
 
 
 # --- the call-site scan ------------------------------------------------------------------

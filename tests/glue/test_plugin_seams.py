@@ -211,13 +211,15 @@ def test_supported_range_comes_from_package_metadata():
     check_vllm_version(vllm.__version__)  # the installed pin passes
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+empty", "0.32.3", "0.32.1.dev7+gabc"])
+@pytest.mark.parametrize(
+    "version", ["0.32.0", "0.32.0+empty", "0.32.3", "0.32.1.dev7+gabc", "0.33.0", "0.33.0+cpu"]
+)
 def test_supported_versions_pass(version, monkeypatch):
     monkeypatch.delenv(SKIP_ENV, raising=False)
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.33.0.dev1", "1.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.34.0.dev1", "1.0.0", "garbage"])
 def test_unsupported_versions_fail_clearly(version, monkeypatch):
     monkeypatch.delenv(SKIP_ENV, raising=False)
     with pytest.raises(UnsupportedVllmVersion) as info:

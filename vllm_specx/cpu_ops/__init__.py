@@ -120,7 +120,9 @@ def _define_ops(ops: dict[str, str]) -> Any:
 
 
 def registered_release() -> str | None:
-    """The drift-table release the ops were registered for, or None if not registered."""
+    """The drift-table entry (a vLLM release) whose ops were registered, or None if not
+    registered. Equals the installed release unless the drift bypass made an unknown
+    release borrow the newest table."""
     return _registered_release
 
 
@@ -149,17 +151,20 @@ def register_cpu_reference_ops_if_needed() -> bool:
         from vllm_specx.cpu_ops import drift, kernel_overrides, vllm_fixes
 
         version = drift.installed_vllm_version()
-        release = drift.select_release(version)
+        table_key = drift.select_release_key(version)
+        release = drift.RELEASES[table_key]
         drift.verify_vllm_call_sites(release, version)
         kernel_overrides.check_replacement_signatures(release.defective_adapters)
         _library = _define_ops(release.ops)
         vllm_fixes.apply(release.runtime_fixes)
         kernel_overrides.install(tuple(release.defective_adapters))
         drift.install_namespace_guard(version, list(release.ops))
-        _registered_release = drift.release_key(version)
+        _registered_release = table_key
         logger.info(
-            "vllm-specx: registered %d PyTorch reference ops for vLLM %s's CPU engine",
+            "vllm-specx: registered %d PyTorch reference ops for vLLM %s's CPU engine "
+            "(drift table of vLLM %s)",
             len(release.ops),
             version,
+            table_key,
         )
         return True

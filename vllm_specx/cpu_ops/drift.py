@@ -90,12 +90,16 @@ def release_key(version: str) -> str:
         return version
 
 
-def select_release(version: str, *, allow_drift: bool | None = None) -> ReleaseTable:
-    """The drift-table entry for ``version``, or raise :class:`CpuOpsDriftError`."""
+def select_release_key(version: str, *, allow_drift: bool | None = None) -> str:
+    """The drift-table key whose ops serve ``version``, or raise :class:`CpuOpsDriftError`.
+
+    Normally the release of ``version`` itself; with the drift bypass on, an unknown
+    release gets the newest table (and a warning), and that table's key is returned, so
+    callers can say which table is actually in use."""
     allow = drift_allowed() if allow_drift is None else allow_drift
     key = release_key(version)
     if key in RELEASES:
-        return RELEASES[key]
+        return key
     known = supported_releases()
     message = (
         f"vllm-specx's CPU reference ops are written for vLLM {', '.join(known)}, but "
@@ -105,7 +109,12 @@ def select_release(version: str, *, allow_drift: bool | None = None) -> ReleaseT
     if not allow:
         raise CpuOpsDriftError(f"{message}, or set {ALLOW_DRIFT_ENV}=1 to try anyway.")
     logger.warning("%s; %s=1, so using the table of vLLM %s.", message, ALLOW_DRIFT_ENV, known[-1])
-    return RELEASES[known[-1]]
+    return known[-1]
+
+
+def select_release(version: str, *, allow_drift: bool | None = None) -> ReleaseTable:
+    """The drift-table entry for ``version`` (see :func:`select_release_key`)."""
+    return RELEASES[select_release_key(version, allow_drift=allow_drift)]
 
 
 @dataclass(frozen=True)

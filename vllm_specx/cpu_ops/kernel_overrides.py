@@ -1,4 +1,4 @@
-"""Replacements for the two defective Triton-kernel adapters of vLLM 0.32.0's CPU path.
+"""Replacements for two defective Triton-kernel adapters of vLLM's CPU path (0.32, 0.33).
 
 Without Triton, vLLM's CPU platform swaps Triton kernels for Python adapters
 (``vllm/utils/cpu_triton_utils.py``) through ``vllm.triton_utils.dispatcher``, which
@@ -8,7 +8,9 @@ kernel's, else *by position* in the kernel's order. Two adapters break that cont
 
 * the slot-mapping adapter declares ``block_size`` and ``BLOCKS_PER_KV_BLOCK`` that
   the kernel does not have, so positional forwarding shifts every later argument and
-  the first engine step crashes;
+  the first engine step crashes (0.32.0; 0.33.0 fixed the parameter list, but its
+  adapter still does not pad ``slot_mapping`` up to ``max_num_tokens`` with ``PAD_ID``
+  as the kernel does, so the replacement stays);
 * the expand adapter passes int64 *copies* of ``output`` to the op, so float32/int32
   outputs (sampling temperature, top-k, top-p per draft token) are never written.
 
@@ -131,6 +133,7 @@ class CpuAdapterReplacement(VllmPatch):
     """
 
     outright = True  # the dispatcher must see OUR parameter names
+    scope = "cpu-reference"
 
     def __init__(self, kernel_name: str, adapter_attr: str, impl: Callable[..., Any]) -> None:
         self.kernel_name = kernel_name

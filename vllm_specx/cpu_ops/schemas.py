@@ -126,45 +126,58 @@ _OPS_0_32_0: dict[str, str] = {
     ),
 }
 
+_RELEASE_0_32_0 = ReleaseTable(
+    ops=_OPS_0_32_0,
+    known_unimplemented={
+        "copy_and_expand_dflash_inputs_kernel_impl": (
+            "DFlash drafting only; vLLM probes it with hasattr() and falls back to "
+            "a Python loop"
+        ),
+    },
+    defective_adapters={
+        # kernel qualified name -> the Triton kernel's parameter names, which our
+        # replacement adopts so the dispatcher forwards launch arguments by name
+        "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": (
+            "num_tokens",
+            "max_num_tokens",
+            "query_start_loc_ptr",
+            "positions_ptr",
+            "block_table_ptr",
+            "block_table_stride",
+            "slot_mapping_ptr",
+            "KV_CACHE_BLOCK_SIZE",
+            "TOTAL_CP_WORLD_SIZE",
+            "TOTAL_CP_RANK",
+            "CP_KV_CACHE_INTERLEAVE_SIZE",
+            "PAD_ID",
+            "BLOCK_SIZE",
+        ),
+        "vllm.v1.sample.rejection_sampler.expand_kernel": (
+            "output_ptr",
+            "input_ptr",
+            "cu_num_tokens_ptr",
+            "replace_from",
+            "replace_to",
+            "MAX_NUM_TOKENS",
+        ),
+    },
+    runtime_fixes=("tolerant_kernel_rebind", "register_overrides_once"),
+)
+
 RELEASES: dict[str, ReleaseTable] = {
-    "0.32.0": ReleaseTable(
-        ops=_OPS_0_32_0,
-        known_unimplemented={
-            "copy_and_expand_dflash_inputs_kernel_impl": (
-                "DFlash drafting only; vLLM probes it with hasattr() and falls back to "
-                "a Python loop"
-            ),
-        },
-        defective_adapters={
-            # kernel qualified name -> the Triton kernel's parameter names, which our
-            # replacement adopts so the dispatcher forwards launch arguments by name
-            "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": (
-                "num_tokens",
-                "max_num_tokens",
-                "query_start_loc_ptr",
-                "positions_ptr",
-                "block_table_ptr",
-                "block_table_stride",
-                "slot_mapping_ptr",
-                "KV_CACHE_BLOCK_SIZE",
-                "TOTAL_CP_WORLD_SIZE",
-                "TOTAL_CP_RANK",
-                "CP_KV_CACHE_INTERLEAVE_SIZE",
-                "PAD_ID",
-                "BLOCK_SIZE",
-            ),
-            "vllm.v1.sample.rejection_sampler.expand_kernel": (
-                "output_ptr",
-                "input_ptr",
-                "cu_num_tokens_ptr",
-                "replace_from",
-                "replace_to",
-                "MAX_NUM_TOKENS",
-            ),
-        },
-        runtime_fixes=("tolerant_kernel_rebind", "register_overrides_once"),
-    ),
+    "0.32.0": _RELEASE_0_32_0,
+    # 0.33.0 (checked 2026-11 against the 0.33.0 sdist): csrc/cpu/torch_bindings.cpp
+    # declares all 17 ops above with identical schemas; the Python call sites on the CPU
+    # path call the same ops in the same way (drift scan clean); the Triton kernels of
+    # both defective adapters kept their parameter lists. Upstream fixed the argument
+    # shift of the slot-mapping adapter, but its adapter still neither pads
+    # slot_mapping[num_tokens:max_num_tokens] with PAD_ID nor handles context
+    # parallelism as the kernel does, so ours stays; the expand adapter still writes
+    # int64 copies. The attention kernel's internal work-item layout changed, which the
+    # reference ops do not share (get_scheduler_metadata's tensor is opaque to vLLM).
+    "0.33.0": _RELEASE_0_32_0,
 }
+
 
 # vLLM source files (relative to the vllm package) whose ``torch.ops._C.<name>`` calls
 # make up "what the CPU engine asks for". Every op referenced in them must be either

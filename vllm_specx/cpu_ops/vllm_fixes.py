@@ -72,6 +72,7 @@ def _tolerant_rebind(overrides: list[tuple[Any, Any]]) -> None:
 
 class TolerantKernelRebind(VllmPatch):
     name = "cpu_tolerant_kernel_rebind"
+    scope = "cpu-reference"
     target = "vllm.triton_utils.dispatcher:_rebind_kernels"
     replaces = "dispatcher._rebind_kernels, the sys.modules scan after a kernel override"
     why = (
@@ -93,6 +94,7 @@ class TolerantKernelRebind(VllmPatch):
 
 class OverrideRegistrationOnce(VllmPatch):
     name = "cpu_override_registration_once"
+    scope = "cpu-reference"
     target = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
     replaces = "CpuPlatform.register_triton_kernel_overrides (a classmethod run per worker)"
     why = (

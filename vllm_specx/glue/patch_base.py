@@ -30,7 +30,7 @@ _lock = threading.RLock()
 # ``VllmPatch.verified_on``). A release joins only after the upgrade checklist in
 # vllm_specx/glue/touchpoints.py was done for it; the touch-point tests fail on a vLLM
 # release that some patch was not verified on.
-VERIFIED_RELEASES: tuple[str, ...] = ("0.32.0",)
+VERIFIED_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0")
 
 
 class PatchTargetMissing(RuntimeError):

@@ -1,7 +1,7 @@
-"""The patches vllm-specx applies to vLLM, one named object each (checked on 0.32.0).
+"""The plugin's seams in vLLM, one named :class:`VllmPatch` each (scope ``always``).
 
-Upgrade checklist: for each entry of :data:`ALL_PATCHES`, open ``target`` in the new
-vLLM, confirm ``replaces`` still describes it, run the tests, bump ``verified_on``.
+Every vLLM touch-point of the package, these and the CPU backend's, is listed in
+:mod:`vllm_specx.glue.touchpoints`, with the upgrade checklist.
 """
 
 from __future__ import annotations
