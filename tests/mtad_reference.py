@@ -3,7 +3,8 @@
 * Drafting: ``vllm_specx.algorithms.beam_draft`` driven by a ``transformers`` draft model
   that recomputes the whole sequence (no KV cache) for every beam at every step, so there
   is no cache bookkeeping to get wrong.
-* Verification: the joint-likelihood rule written as a plain loop (design.md section 2):
+* Verification: the joint-likelihood rule of MTAD (Qin et al., "Optimized Multi-Token
+  Joint Decoding with Auxiliary Model for LLM Inference") written as a plain loop:
   ``S_i = sum_{j<=i} log p_j(x_j) - log q_j(x_j)``; accept the LARGEST depth with
   ``S_i > log(tau)``; then one extra token from ``p_{a+1}``. Greedy requests (temperature
   0) use greedy verification: accept while ``x_i == argmax p_i``, then emit the argmax.

@@ -1,4 +1,4 @@
-"""Per-request stop rules for adaptive-length chain drafting (SpecDec++, seed 003).
+"""Per-request stop rules for adaptive-length chain drafting (SpecDec++: Huang et al. 2024).
 
 The drafter drafts chains ``Y_1, Y_2, ...`` for a batch of live requests. After it has
 drafted ``Y_1..Y_j`` (``depth = j``; every live row of one call has the same depth, because

@@ -1,6 +1,7 @@
 """Train a SpecDec++ acceptance head for a (target, draft) pair: ``vllm-specx train-head``.
 
-Recipe (SpecDec++, seed 003, section 3.3 and appendix C):
+Recipe (Huang et al. 2024, "SpecDec++: Boosting Speculative Decoding via Adaptive
+Candidate Lengths", section 3.3 and appendix C):
 
 1. The target answers the training prompts in vLLM (:func:`~vllm_specx.training.data.
    generate_responses`): responses ``X_1..X_L``.
