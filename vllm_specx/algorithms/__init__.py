@@ -1,5 +1,9 @@
 """Device-independent algorithms of vllm-specx, in pure PyTorch (no vLLM import).
 
-``verify``: the extended rejection sampler (standard, one-hot, greedy and MTAD rules)
-that every speculative method of the plugin is verified by.
+* :mod:`.verify` -- verification of drafts: standard (lossless) rejection sampling,
+  one-hot and greedy variants, and MTAD's joint-likelihood rule;
+* :mod:`.beam_draft` -- MTAD's beam-search drafting; :mod:`.beam_tails` -- scheduling
+  the beam tails into draft forward passes;
+* :mod:`.draft_stop` -- per-request stop rules for adaptive-length drafting (SpecDec++);
+  :mod:`.acceptance_head` -- SpecDec++'s acceptance-prediction head.
 """

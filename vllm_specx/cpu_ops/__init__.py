@@ -4,6 +4,13 @@ The PyPI vLLM wheel is a CUDA build; its CPU engine needs ops that only vLLM's C
 build registers. This package registers equivalent PyTorch implementations, but only
 when vLLM runs on the CPU platform and no compiled CPU attention op exists. See
 docs/cpu-reference-backend.md.
+
+* this module -- the decision to register, and the registration;
+* :mod:`.attention`, :mod:`.rotary`, :mod:`.sampling`, :mod:`.spec_decode` -- the ops;
+* :mod:`.schemas` -- the drift table: per vLLM release, the ops and their schemas;
+  :mod:`.drift` -- the checks that refuse a vLLM the table does not describe;
+* :mod:`.kernel_overrides`, :mod:`.vllm_fixes` -- the patches of vLLM's CPU path (listed
+  with every other patch in :mod:`vllm_specx.glue.touchpoints`).
 """
 
 from __future__ import annotations
