@@ -2,9 +2,10 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core,
 each worker), sometimes more than once. It must be idempotent, cheap, and must not
-initialise CUDA: it only wraps a few vLLM functions (the runner patch waits until vLLM
-imports the runner) and, on a CPU host without vLLM's compiled CPU ops, registers the
-PyTorch reference ops.
+initialise CUDA: it checks the vLLM version, applies the patches of scope ``always``
+(the runner patch waits until vLLM imports the runner) and, on a CPU host without vLLM's
+compiled CPU ops, registers the PyTorch reference ops (the ``cpu-reference`` patches).
+Every patch is listed in :mod:`vllm_specx.glue.touchpoints`.
 """
 
 from __future__ import annotations
