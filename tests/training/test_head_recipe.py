@@ -15,6 +15,7 @@ from vllm_specx.training.data import Response
 from vllm_specx.training.head import (
     HeadTrainOptions,
     acceptance_labels,
+    greedy_acceptance_labels,
     mix_tokens,
     response_generator,
     score_responses,
@@ -49,6 +50,18 @@ def test_acceptance_labels_match_per_token_reference():
     assert torch.equal(acceptance_labels(p0, q, y), torch.zeros(L))
     # Draft vocabulary larger than the target's: tokens past the target's vocab get 0.
     assert float(acceptance_labels(p[:, :4], q, torch.full((L,), 6))[0]) == 0.0
+
+
+def test_greedy_labels_are_argmax_agreement():
+    g = torch.Generator().manual_seed(4)
+    p = torch.softmax(torch.randn(30, 5, generator=g), -1)
+    q = torch.softmax(torch.randn(30, 5, generator=g), -1)
+    y, a = greedy_acceptance_labels(p, q)
+    for t in range(30):
+        qt, pt = q[t].tolist(), p[t].tolist()
+        assert int(y[t]) == qt.index(max(qt))
+        assert float(a[t]) == (1.0 if pt.index(max(pt)) == int(y[t]) else 0.0)
+    assert 0 < float(a.sum()) < 30
 
 
 def test_mix_tokens_matches_reference_draws():
@@ -157,7 +170,8 @@ def test_train_loop_is_deterministic_and_learns():
         assert soft_auc(torch.softmax(m1(x), -1)[:, 1], y) > 0.95
 
 
-def test_score_responses_on_fixture_pair_matches_per_position_reference():
+@pytest.mark.parametrize("mode", ["sampled", "greedy"])
+def test_score_responses_on_fixture_pair_matches_per_position_reference(mode):
     """Teacher-forced labels and features of two responses, batched and padded, equal a
     per-response, per-position recomputation with the same generator draws."""
     from transformers import AutoModelForCausalLM
@@ -173,7 +187,7 @@ def test_score_responses_on_fixture_pair_matches_per_position_reference():
     ]
     r = 0.4
     data = score_responses(target, draft, responses, mix_ratio=r, seed=11, batch_size=2,
-                           progress=False)
+                           progress=False, draft_tokens=mode)
     rows = 0
     for i, resp in enumerate(responses):
         seq = torch.tensor([resp.prompt_ids + resp.response_ids])
@@ -183,7 +197,10 @@ def test_score_responses_on_fixture_pair_matches_per_position_reference():
             q = torch.softmax(draft(seq).logits[0].float(), -1)
         gen = response_generator(11, i)
         qs = q[n_p - 1:n_p - 1 + len(resp.response_ids)]
-        y = torch.multinomial(qs, 1, generator=gen).squeeze(1)
+        if mode == "greedy":
+            y = qs.argmax(-1)
+        else:
+            y = torch.multinomial(qs, 1, generator=gen).squeeze(1)
         u = torch.rand(len(resp.response_ids), generator=gen)
         mixed = [resp.response_ids[t] if u[t] < r else int(y[t])
                  for t in range(len(resp.response_ids))]
@@ -197,7 +214,11 @@ def test_score_responses_on_fixture_pair_matches_per_position_reference():
                 continue  # target token kept: no row
             p_y, q_y = float(p[n_p - 1 + t, y[t]]), float(q[n_p - 1 + t, y[t]])
             assert int(data.response_index[rows]) == i
-            assert math.isclose(float(data.labels[rows]), min(1.0, p_y / q_y), rel_tol=1e-4)
+            if mode == "greedy":
+                want = 1.0 if int(p[n_p - 1 + t].argmax()) == int(y[t]) else 0.0
+            else:
+                want = min(1.0, p_y / q_y)
+            assert math.isclose(float(data.labels[rows]), want, rel_tol=1e-4)
             torch.testing.assert_close(data.features[rows], h[n_p + t], rtol=1e-4, atol=1e-4)
             rows += 1
     assert rows == data.labels.numel() and 0 < rows < 9

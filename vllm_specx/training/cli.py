@@ -65,6 +65,11 @@ def add_train_head_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--mix-ratio", type=float, default=_D.mix_ratio,
                    help="token mixing r: probability that a position keeps the target's "
                    "token, with no loss there (default: %(default)s, as SpecDec++)")
+    p.add_argument("--draft-tokens", choices=("sampled", "greedy"), default=_D.draft_tokens,
+                   help="sampled: the draft samples each token from q and its label is "
+                   "min(1, p/q) (SpecDec++, for sampled requests); greedy: the draft's argmax, "
+                   "label 1 when it equals the target's argmax (for greedy requests) "
+                   "(default: %(default)s)")
     p.add_argument("--heldout-fraction", type=float, default=_D.heldout_fraction,
                    help="fraction of responses held out for the reported loss and AUC "
                    "(default: %(default)s)")
@@ -120,6 +125,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         temperatures=tuple(args.temperature or (1.0,)),
         heldout_fraction=args.heldout_fraction, batch_size=args.batch_size, lr=args.lr,
         score_batch_size=args.score_batch_size, threads=args.threads,
+        draft_tokens=args.draft_tokens,
     )
     try:
         options.check()

@@ -40,6 +40,8 @@ from torch import nn
 
 from vllm_specx.training.data import Response
 
+DRAFT_TOKEN_MODES = ("sampled", "greedy")
+
 
 @dataclass(frozen=True)
 class HeadTrainOptions:
@@ -59,6 +61,9 @@ class HeadTrainOptions:
     weight_decay: float = 0.0
     score_batch_size: int = 16
     threads: int = 1
+    # "sampled": SpecDec++ (draft token drawn from q, soft label min(1, p/q)); "greedy": the
+    # draft's argmax, label 1 when it is the target's argmax (what greedy requests verify).
+    draft_tokens: str = "sampled"
 
     def check(self) -> None:
         """One clear line per bad value, before anything starts."""
@@ -78,6 +83,8 @@ class HeadTrainOptions:
             ("score_batch_size", self.score_batch_size, self.score_batch_size >= 1,
              "an integer >= 1"),
             ("threads", self.threads, self.threads >= 1, "an integer >= 1"),
+            ("draft_tokens", self.draft_tokens, self.draft_tokens in DRAFT_TOKEN_MODES,
+             " or ".join(DRAFT_TOKEN_MODES)),
         ]
         for name, value, ok, allowed in problems:
             if not ok:
@@ -105,6 +112,15 @@ def acceptance_labels(
     ratio = torch.where(q > 0, p / q.clamp_min(torch.finfo(torch.float32).tiny),
                         torch.ones_like(p))
     return ratio.clamp(max=1.0)
+
+
+def greedy_acceptance_labels(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(draft_tokens, labels)`` for greedy drafting: the draft's argmax per position and 1.0
+    where it equals the target's argmax (greedy verification accepts exactly then)."""
+    y = draft_probs.argmax(dim=-1)
+    return y, (target_probs.argmax(dim=-1) == y).float()
 
 
 def mix_tokens(
@@ -182,8 +198,13 @@ def score_responses(
     batch_size: int = 16,
     pad_id: int = 0,
     progress: bool = True,
+    draft_tokens: str = "sampled",
 ) -> HeadData:
-    """SpecDec++ training rows for ``responses`` (module doc, steps 2-3)."""
+    """SpecDec++ training rows for ``responses`` (module doc, steps 2-3); ``draft_tokens``
+    "greedy" labels the draft's argmax by agreement with the target's argmax instead."""
+    if draft_tokens not in DRAFT_TOKEN_MODES:
+        raise ValueError(f"draft_tokens={draft_tokens!r} is not allowed; allowed: "
+                         f"{' or '.join(DRAFT_TOKEN_MODES)}")
     from tqdm.auto import tqdm
 
     feats, labels, index = [], [], []
@@ -208,8 +229,11 @@ def score_responses(
             p = torch.softmax(p_logits[b, sl], dim=-1)
             q = torch.softmax(q_logits[b, sl], dim=-1)
             gen = response_generator(seed, i)
-            y = torch.multinomial(q, 1, generator=gen).squeeze(1)
-            a = acceptance_labels(p, q, y)
+            if draft_tokens == "greedy":
+                y, a = greedy_acceptance_labels(p, q)
+            else:
+                y = torch.multinomial(q, 1, generator=gen).squeeze(1)
+                a = acceptance_labels(p, q, y)
             x = torch.tensor(r.response_ids, dtype=torch.long)
             mixed, keep_target = mix_tokens(x, y, mix_ratio, gen)
             mixed_seqs.append(r.prompt_ids + mixed.tolist())
@@ -378,6 +402,7 @@ def train_head(
     data = score_responses(
         target_model, draft_model, responses, mix_ratio=options.mix_ratio, seed=options.seed,
         batch_size=options.score_batch_size, pad_id=pad_id, progress=progress,
+        draft_tokens=options.draft_tokens,
     )
     del target_model, draft_model
     t_score = time.time() - t0
@@ -401,7 +426,9 @@ def train_head(
         "draft_model": model_summary(draft),
         "target_model": model_summary(target),
         "training": {
-            "recipe": "SpecDec++ (soft labels min(1, p/q), token mixing, weighted soft BCE)",
+            "recipe": "SpecDec++ (soft labels min(1, p/q), token mixing, weighted soft BCE)"
+            if options.draft_tokens == "sampled" else "SpecDec++ with greedy draft tokens "
+            "(label: draft argmax == target argmax), token mixing, weighted soft BCE",
             "options": {k: (list(v) if isinstance(v, tuple) else v)
                         for k, v in dataclasses.asdict(options).items()},
             "prompts": {"file": prompts_path.name, "sha256": sha256_of_files([prompts_path]),
