@@ -185,6 +185,9 @@ def test_make_stop_rule_picks_and_validates():
     # Knob defaults come from vllm_specx.methods (one source of truth).
     rule = make_stop_rule({"num_speculative_tokens": 3}, None)
     assert (rule.threshold, rule.signal, rule.min_tokens) == (0.5, "token_prob", 1)
+    rule = make_stop_rule({"num_speculative_tokens": 3, "confidence_signal": "top2_margin"},
+                          None)
+    assert rule.signal == "top2_margin"
     with pytest.raises(ValueError, match="confidence_signal='entropy'"):
         make_stop_rule({"num_speculative_tokens": 3}, None, confidence_signal="entropy")
     with pytest.raises(ValueError, match="min_speculative_tokens=4"):

@@ -228,8 +228,9 @@ def make_stop_rule(
 
     ``num_speculative_tokens`` is K_max. With a loaded ``head`` the rule is :class:`HeadStop`
     (``stop_threshold``), without one :class:`ConfidenceStop` (``confidence_threshold`` and
-    ``confidence_signal``). A settings dict that names an ``acceptance_head`` while ``head`` is
-    None is refused: the caller loads the head (``load_head``) on its own device and dtype.
+    the ``confidence_signal`` setting, else the argument). A settings dict that names an
+    ``acceptance_head`` while ``head`` is None is refused: the caller loads the head
+    (``load_head``) on its own device and dtype.
     """
     if "num_speculative_tokens" not in settings:
         raise ValueError("num_speculative_tokens is required (K_max of the adaptive draft)")
@@ -252,6 +253,6 @@ def make_stop_rule(
         )
     threshold = settings.get("confidence_threshold")
     threshold = float(CONFIDENCE_THRESHOLD.default if threshold is None else threshold)
-    return ConfidenceStop(
-        threshold, confidence_signal, min_tokens=min_tokens, max_tokens=max_tokens
-    )
+    # A "confidence_signal" setting (if the method grows that knob) wins over the argument.
+    signal = settings.get("confidence_signal") or confidence_signal
+    return ConfidenceStop(threshold, signal, min_tokens=min_tokens, max_tokens=max_tokens)
