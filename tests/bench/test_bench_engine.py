@@ -80,9 +80,17 @@ def test_exit_code_and_every_key(bench_run):
 
 def test_top_level_provenance(bench_run):
     _, _, report, pair = bench_run
-    assert report["versions"]["vllm"] == "0.32.0"
+    import vllm
+
+    from vllm_specx.cpu_ops.drift import release_key
+
+    # Follows the installed release (0.32.0 in the README's set-up, 0.33.0 under
+    # scripts/test_vllm033.sh).
+    assert report["versions"]["vllm"] == vllm.__version__
     assert report["versions"]["vllm_specx"]
     assert report["platform"]["device_type"] == "cpu"
+    # The drift-table entry the reference ops were registered from: the installed release.
+    assert report["platform"]["cpu_reference_ops"] == release_key(vllm.__version__)
     assert report["models"]["target"]["path"] == str(pair.target)
     assert report["prompts"]["count"] == len(PROMPTS)
     assert len(report["prompts"]["sha256"]) == 64
