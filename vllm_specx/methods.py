@@ -105,6 +105,11 @@ class MethodSpec:
     # False until the method's proposer ships: selecting it fails at start with a
     # "not available yet in this version" error instead of silently falling back.
     available: bool = False
+    # True when the proposer drafts a different number of tokens per request and hands
+    # the scheduler exactly those (EMS-SD's "no padding"). vLLM's async scheduling
+    # reserves K placeholder slots per request before the drafts exist, so such a method
+    # runs with synchronous scheduling (config translation turns async off).
+    ragged_drafts: bool = False
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
@@ -157,6 +162,19 @@ CONFIDENCE_THRESHOLD = Knob(
     "training-free policy: stop when the draft's own probability of its token falls "
     "under this",
     _open_unit,
+)
+CONFIDENCE_SIGNAL = Knob(
+    "confidence_signal", "str", "token_prob", '"token_prob", "max_prob" or "top2_margin"',
+    "training-free policy: which confidence of the draft is compared with "
+    "confidence_threshold: the probability of the drafted token, the draft's largest "
+    "probability, or the gap between its two largest",
+    lambda v: v in ("token_prob", "max_prob", "top2_margin"),
+)
+DRAFT_SAMPLING = Knob(
+    "draft_sampling", "str", "sampled", '"sampled" or "greedy"',
+    "how sampled requests draft: from the draft's warped distribution q (speculative "
+    "sampling), or its argmax (one-hot q); greedy requests always draft the argmax",
+    lambda v: v in ("sampled", "greedy"),
 )
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
@@ -213,6 +231,12 @@ def _mtad_proposer() -> type:
     return MTADProposer
 
 
+def _adaptive_proposer() -> type:
+    from vllm_specx.glue.adaptive_proposer import AdaptiveProposer
+
+    return AdaptiveProposer
+
+
 def _requires_adaptive(knob: Knob) -> Knob:
     # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true`.
     return Knob(
@@ -246,8 +270,12 @@ METHODS: dict[str, MethodSpec] = {
             lossless=True,
             needs_draft_model=True,
             default_num_speculative_tokens=8,
-            knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD),
+            knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
+                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
+            proposer=_adaptive_proposer,
+            available=True,
+            ragged_drafts=True,
         ),
         MethodSpec(
             name="specx_mtp",

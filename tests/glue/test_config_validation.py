@@ -255,7 +255,20 @@ def test_adaptive_translation():
     assert result.specx_settings == {
         "method": "adaptive", "num_speculative_tokens": 12, "min_speculative_tokens": 2,
         "stop_threshold": 0.3, "acceptance_head": None, "confidence_threshold": 0.5,
+        "confidence_signal": "token_prob", "draft_sampling": "sampled",
     }
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), [
+    ("confidence_signal", "entropy", '"token_prob", "max_prob" or "top2_margin"'),
+    ("draft_sampling", "beam", '"sampled" or "greedy"'),
+    ("draft_sampling", True, '"sampled" or "greedy"'),
+])
+def test_adaptive_string_knobs_refused_in_one_line(key, value, allowed):
+    with pytest.raises(SpecxConfigError) as err:
+        run({"method": "adaptive", "model": "d", key: value})
+    msg = str(err.value)
+    assert "\n" not in msg and key in msg and allowed in msg
 
 
 def test_mtp_with_a_specx_knob_is_specx_mtp():

@@ -63,6 +63,7 @@ def test_methods_command_lists_methods_and_knobs():
     listed = json.loads(out.stdout)
     assert listed["mtad"]["available"] is True and listed["mtad"]["lossless"] is False
     assert listed["mtad"]["knobs"]["num_beams"]["allowed"] == "an integer >= 1"
-    assert listed["adaptive"]["available"] is False
+    assert listed["adaptive"]["available"] is True and listed["adaptive"]["lossless"] is True
+    assert listed["specx_mtp"]["available"] is False
     text = subprocess.run([str(exe), "methods"], capture_output=True, text=True, timeout=120)
     assert defaults_table_markdown() in text.stdout

@@ -153,11 +153,26 @@ def test_spec_flags_select_specx_methods(model_dir, monkeypatch):
 
 
 def test_unavailable_method_fails_at_engine_config(model_dir):
-    unavailable = [n for n, s in METHODS.items() if not s.available and s.needs_draft_model]
+    unavailable = [n for n, s in METHODS.items() if not s.available]
     if not unavailable:
-        pytest.skip("every draft-model method has shipped")
+        pytest.skip("every method has shipped")
+    name = unavailable[0]
+    config = {"method": name, **({"model": model_dir} if METHODS[name].needs_draft_model else {})}
     with pytest.raises(ValueError, match="not available yet in this version"):
-        engine_config(model_dir, {"method": unavailable[0], "model": model_dir})
+        engine_config(model_dir, config)
+
+
+def test_ragged_draft_methods_run_with_synchronous_scheduling(model_dir):
+    """adaptive hands the scheduler a different number of drafts per request, which
+    vLLM's async scheduling (K placeholder slots per request) cannot carry: the
+    translation turns it off, and an explicit request for it is refused in one line."""
+    assert METHODS["adaptive"].ragged_drafts
+    spec = {"method": "adaptive", "model": model_dir, "num_speculative_tokens": 3}
+    cfg = engine_config(model_dir, dict(spec))
+    assert cfg.scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match=r"async_scheduling = true is not allowed") as err:
+        engine_config(model_dir, dict(spec), async_scheduling=True)
+    assert "\n" not in str(err.value)
 
 
 def test_v2_runner_request_is_refused(model_dir, monkeypatch):

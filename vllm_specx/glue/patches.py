@@ -107,6 +107,17 @@ class SpeculativeConfigTranslation(VllmPatch):
                     f'speculative_config["method"] = "{result.specx_settings["method"]}" runs '
                     "on vLLM's V1 model runner only: unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
+            method = result.specx_settings["method"]
+            if METHODS[method].ragged_drafts:
+                # Async scheduling reserves K draft slots per request before the drafter
+                # runs; ragged drafts need the scheduler to see the real lengths.
+                if self_.async_scheduling:
+                    raise SpecxConfigError(
+                        f"async_scheduling = true is not allowed with speculative method "
+                        f"'{method}': it drafts a different number of tokens per request, "
+                        "which the scheduler must see; leave async_scheduling unset or false."
+                    )
+                self_.async_scheduling = False
             logger.info("vllm-specx: method %r -> vLLM %r with settings %s",
                         result.specx_settings["method"],
                         result.vllm_speculative_config["method"], result.specx_settings)

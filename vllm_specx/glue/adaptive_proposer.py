@@ -1,0 +1,267 @@
+"""Adaptive-length drafting inside vLLM (SpecDec++ stop rule, EMS-SD unpadded batches).
+
+``AdaptiveProposer`` is vLLM's ``DraftModelProposer`` (V1 model runner, checked on vLLM
+0.32) drafting a chain of up to ``K_max`` tokens per request, where every request decides
+on its own, after each draft step, whether to go on (the stop rules are pure functions in
+``vllm_specx.algorithms.draft_stop``):
+
+* step 0 is the base class's first pass; it gives ``q_1`` and every request drafts ``Y_1``;
+* step ``j`` (1..K_max-1) feeds ``Y_j`` to the draft for the requests STILL DRAFTING only
+  (the batch shrinks as requests stop: no forward work for a request that stopped), which
+  gives the final hidden state ``h_j`` (the acceptance head's input) and ``q_{j+1}``;
+  ``Y_{j+1}`` is drawn and the stop rule says, per request, whether it joins the draft.
+
+The proposer returns ``list[list[int]]`` (one list per request, of the length it drafted),
+the same ragged form vLLM's ngram proposer returns, so the scheduler receives exactly the
+drafted tokens and verification costs exactly the drafted positions: nothing is padded to
+the longest draft. That needs synchronous scheduling (with async scheduling the scheduler
+reserves ``K`` placeholder slots per request before the drafts exist): the method's spec
+turns vLLM's async scheduling off, and refuses an explicit ``async_scheduling: true``.
+
+Drafts: greedy requests draft the draft's argmax. Sampled requests draw from the draft's
+warped distribution ``q`` (temperature, top-k, top-p in vLLM's order) and leave the full
+``q`` rows for ``take_last_draft_probs()``, so the specx sampler runs standard rejection
+sampling against ``q`` (lossless for any ``q``). With ``draft_sampling: "greedy"`` sampled
+requests draft the argmax too and are verified with the one-hot rule. Seeded requests draw
+from their own ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
+
+from vllm_specx.algorithms.beam_draft import (
+    greedy_mask_from_temperature,
+    gumbel_noise,
+    warp_logprobs,
+)
+from vllm_specx.algorithms.draft_stop import DraftStopRule, make_stop_rule
+from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+
+
+@dataclass
+class AdaptiveDraftStats:
+    """What the adaptive drafter did, for ``vllm-specx bench`` (``specx_stats()``).
+
+    ``draft_tokens``: tokens drafted (what the scheduler receives). ``lookahead_rows``:
+    request-rows fed to the lookahead passes (with a padded batch it would be
+    ``requests * (K_max - 1)``). ``length_histogram[n]``: requests that drafted n tokens.
+    """
+
+    rounds: int = 0
+    requests: int = 0
+    draft_tokens: int = 0
+    first_pass_tokens: int = 0
+    lookahead_passes: int = 0
+    lookahead_rows: int = 0
+    padded_lookahead_rows: int = 0
+    length_histogram: dict[int, int] = field(default_factory=dict)
+
+    def record(self, lengths: list[int], k_max: int, first: int, passes: int, rows: int) -> None:
+        self.rounds += 1
+        self.requests += len(lengths)
+        self.draft_tokens += sum(lengths)
+        self.first_pass_tokens += first
+        self.lookahead_passes += passes
+        self.lookahead_rows += rows
+        self.padded_lookahead_rows += len(lengths) * max(k_max - 1, 0)
+        for n in lengths:
+            self.length_histogram[n] = self.length_histogram.get(n, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        # Keys read by the bench (``DrafterStats``): the scheduler receives exactly the
+        # drafted tokens, and draft forwards are counted per request (first pass +
+        # one lookahead row per step the request was still drafting).
+        return {
+            "drafted_tokens": self.draft_tokens,
+            "scheduled_tokens": self.draft_tokens,
+            "draft_forward_passes": self.requests + self.lookahead_rows,
+            "rounds": self.rounds,
+            "requests": self.requests,
+            "batched_forward_passes": self.rounds + self.lookahead_passes,
+            "first_pass_tokens": self.first_pass_tokens,
+            "lookahead_rows": self.lookahead_rows,
+            "padded_lookahead_rows": self.padded_lookahead_rows,
+            "length_histogram": {str(k): v for k, v in sorted(self.length_histogram.items())},
+        }
+
+
+def _draw(
+    logits: torch.Tensor,
+    sampling_metadata: SamplingMetadata,
+    rows: torch.Tensor,
+    greedy: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one draft token for each of ``rows`` (indices into the batch).
+
+    Returns (tokens [n], warped probabilities [n, V]); greedy rows take the argmax of the
+    raw logits (as vLLM's drafter does) and report the unwarped softmax.
+    """
+    md = sampling_metadata
+    dev_rows = rows.to(logits.device)
+
+    def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[dev_rows]
+
+    if md.temperature is None:  # every request greedy
+        probs = logits.float().softmax(dim=-1)
+        return logits.argmax(dim=-1), probs
+    logq = warp_logprobs(logits, sel(md.temperature), sel(md.top_k), sel(md.top_p))
+    row_greedy = greedy[dev_rows]
+    local_generators = {
+        i: generators[int(r)] for i, r in enumerate(rows.tolist()) if int(r) in generators
+    }
+    noise = gumbel_noise(logq.shape[0], logq.shape[1], logq.device, local_generators,
+                         rows=~row_greedy)
+    sampled = (logq + noise).argmax(dim=-1)
+    tokens = torch.where(row_greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logq.exp()
+
+
+class AdaptiveProposer(SpecxDraftModelProposer):
+    """Chain drafting with a per-request stop and a shrinking batch. See the module doc."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config, device, runner)
+        reasons = []
+        if self.parallel_drafting:
+            reasons.append("parallel drafting drafts all positions in one pass")
+        parallel = vllm_config.parallel_config
+        if parallel.data_parallel_size > 1:
+            reasons.append("data parallelism: ranks would have to agree on each pass's batch")
+        if self.uses_mrope:
+            reasons.append("M-RoPE draft models")
+        if self.use_heterogeneous_vocab:
+            reasons.append("drafts with another tokenizer")
+        if reasons:
+            raise NotImplementedError(
+                "vllm-specx adaptive drafting does not support: " + "; ".join(reasons)
+            )
+        self.stats = AdaptiveDraftStats()
+        self.head: Any = None
+        self.last_draft_lengths: list[int] = []
+
+    # -- set-up -----------------------------------------------------------------------
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        head_dir = self.settings.get("acceptance_head")
+        if head_dir:
+            from vllm_specx.algorithms.acceptance_head import load_head
+
+            dtype = next(self.model.parameters()).dtype
+            self.head = load_head(head_dir, device=self.device, dtype=dtype)
+
+    def stop_rule(self, k_max: int) -> DraftStopRule:
+        """The round's rule. ``k_max`` is what the runner asks for this step (vLLM may ask
+        for fewer than the configured K), so ``min_speculative_tokens`` is clamped to it."""
+        settings = dict(self.settings, num_speculative_tokens=k_max)
+        settings["min_speculative_tokens"] = min(int(settings["min_speculative_tokens"]), k_max)
+        return make_stop_rule(settings, self.head, settings["confidence_signal"])
+
+    def specx_stats(self) -> dict[str, Any]:
+        return self.stats.as_dict()
+
+    # -- propose ----------------------------------------------------------------------
+
+    def propose(  # type: ignore[override]
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> list[list[int]] | torch.Tensor:
+        k_max = int(num_speculative_tokens)
+        self.num_speculative_tokens = k_max
+        self._last_draft_probs = None
+        num_reqs = common_attn_metadata.batch_size()
+
+        hidden, sample_positions, cad, first_tokens = self._first_pass(
+            target_token_ids=target_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            next_token_ids=next_token_ids,
+            token_indices_to_sample=token_indices_to_sample,
+            common_attn_metadata=common_attn_metadata,
+            mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        if k_max == 0:
+            # Same contract as the base class: the pass above keeps the draft KV in sync.
+            return torch.empty(num_reqs, 0, device=hidden.device, dtype=torch.int64)
+
+        device = hidden.device
+        greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs, device)
+        greedy_drafts = self.settings.get("draft_sampling") == "greedy"
+        # Sampled requests need their full q for the residual; greedy ones never read it.
+        keep_q = not greedy_drafts and not bool(greedy.all())
+        draw_greedy = torch.ones_like(greedy) if greedy_drafts else greedy
+        generators = sampling_metadata.generators or {}
+
+        rule = self.stop_rule(k_max)
+        state = rule.start(num_reqs, device)
+        tokens = torch.zeros(num_reqs, k_max, dtype=torch.int64)  # host: tails are fed from it
+        lengths = torch.zeros(num_reqs, dtype=torch.int64)
+        q_full = None
+        live = torch.arange(num_reqs)  # host indices of the requests still drafting
+
+        logits = self.model.compute_logits(hidden)
+        y, probs = _draw(logits, sampling_metadata, live, draw_greedy, generators)
+        if keep_q:
+            q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
+                                 device=device)
+            q_full[:, 0] = probs
+        tokens[:, 0] = y.to("cpu")
+        lengths[:] = 1
+
+        base_seq_lens = cad.seq_lens
+        if num_rejected_tokens_gpu is not None:
+            base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
+        passes = LookaheadPasses(self, cad, sample_positions, base_seq_lens)
+        n_passes = n_rows = 0
+        for depth in range(1, k_max):
+            # Feed Y_depth to the requests still drafting; their KV for Y_1..Y_{depth-1}
+            # was written by the earlier passes of this round.
+            start = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
+            hidden = passes.run(live, tokens[live, :depth], start)
+            n_passes += 1
+            n_rows += live.numel()
+            logits = self.model.compute_logits(hidden)
+            y, probs = _draw(logits, sampling_metadata, live, draw_greedy, generators)
+            dev_live = live.to(device)
+            y_prob = probs.gather(1, y.view(-1, 1)).squeeze(1)
+            new_state, keep = rule.step(
+                state[dev_live], depth, next_token_probs=y_prob, next_probs=probs,
+                hidden=hidden if rule.needs_hidden else None,
+            )
+            state[dev_live] = new_state.to(state.dtype)
+            keep_cpu = keep.to("cpu")
+            kept = live[keep_cpu]
+            if kept.numel() == 0:
+                break
+            tokens[kept, depth] = y.to("cpu")[keep_cpu]
+            lengths[kept] = depth + 1
+            if q_full is not None:
+                q_full[kept.to(device), depth] = probs[keep.to(device)]
+            live = kept
+
+        self.last_draft_lengths = lengths.tolist()
+        self.stats.record(self.last_draft_lengths, k_max, first_tokens, n_passes, n_rows)
+        if q_full is not None:
+            # The runner slices [row, :num_draft] per request: rows past a request's
+            # length are never read.
+            self._last_draft_probs = q_full
+        return [tokens[r, : int(lengths[r])].tolist() for r in range(num_reqs)]

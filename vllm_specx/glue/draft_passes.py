@@ -1,0 +1,206 @@
+"""Draft forward passes the specx drafters share (vLLM glue, checked on vLLM 0.32 V1).
+
+Every specx drafter built on vLLM's ``DraftModelProposer`` drafts a round the same way:
+
+1. the **first pass**: exactly the base class's, one pass over the target's verified
+   tokens plus the token the target just emitted, for the whole batch; it keeps the draft
+   KV cache in sync and gives each request's first-token logits;
+2. **lookahead passes**: passes over a chosen subset of requests, each fed some tokens at
+   its lookahead positions ``P+1, P+2, ...`` (``P``: the position of the token the target
+   just emitted). These are the slots vLLM's own chain drafter writes, so prefix caching,
+   chunked prefill and preemption see the same KV bookkeeping as ``draft_model``.
+
+MTAD feeds beam tails (several tokens per request, one beam per pass); the adaptive
+drafter feeds one token per request over the requests still drafting (the batch shrinks
+as requests stop). Both are a :class:`LookaheadPasses` call with different rows.
+
+vLLM private names relied on here: ``DraftModelProposer.set_inputs_first_pass``,
+``build_model_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
+``_determine_batch_execution_and_padding``, ``_get_slot_mapping``, ``_get_positions``,
+``input_ids``/``positions``/``inputs_embeds`` buffers, ``CommonAttentionMetadata.replace``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+
+
+class SpecxDraftModelProposer(DraftModelProposer):
+    """vLLM's ``DraftModelProposer`` with its first pass and its forward call exposed as
+    separate steps, so a specx drafter can run the first pass and then its own passes.
+
+    ``settings`` are the validated specx settings of the method (the runner hook sets
+    them right after construction; see ``glue/runner.py``).
+    """
+
+    settings: dict[str, Any]
+
+    def _draft_forward(
+        self,
+        per_layer_attn_metadata: Any,
+        num_tokens: int,
+        padding: tuple[Any, int, Any],
+        slot_mapping: Any,
+        model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """One draft forward pass the way the base class runs one: EPLB bookkeeping, then
+        the model inside vLLM's forward context. ``padding`` is
+        ``_determine_batch_execution_and_padding(num_tokens)``'s result."""
+        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = padding
+        if self.eplb_state is not None:
+            self.eplb_state.prepare_forward(self.draft_model_config, num_tokens)
+        with set_forward_context(
+            per_layer_attn_metadata,
+            self.vllm_config,
+            num_tokens=num_input_tokens,
+            num_tokens_across_dp=num_tokens_across_dp,
+            cudagraph_runtime_mode=cudagraph_runtime_mode,
+            slot_mapping=slot_mapping,
+        ):
+            return self.model(**model_kwargs)
+
+    def _first_pass(
+        self,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, int]:
+        """Run the draft over the verified tokens + the new token of every request (the
+        base class's ``propose`` fuses this with chain drafting, so it is spelled out).
+
+        Returns (final hidden state at each request's new token [R, H], its position P
+        [R], the extended attention metadata, tokens fed).
+        """
+        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
+        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = (
+            self._determine_batch_execution_and_padding(num_tokens)
+        )
+        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
+            num_tokens, num_input_tokens, mm_embed_inputs
+        )
+        hidden_states = self._draft_forward(
+            per_layer_attn_metadata,
+            num_tokens,
+            (cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp),
+            self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
+            model_kwargs,
+        )
+        sample_positions = self.positions[token_indices_to_sample].clone()
+        return hidden_states[token_indices_to_sample], sample_positions, cad, int(num_tokens)
+
+
+class LookaheadPasses:
+    """Draft passes over the lookahead slots of chosen requests, for one round.
+
+    ``cad`` is the first pass's attention metadata (one row per request of the batch),
+    ``sample_positions`` the position ``P`` of each request's new token and
+    ``base_seq_lens`` its sequence length ``P + 1`` once the round starts.
+    """
+
+    def __init__(
+        self,
+        proposer: SpecxDraftModelProposer,
+        cad: CommonAttentionMetadata,
+        sample_positions: torch.Tensor,
+        base_seq_lens: torch.Tensor,
+    ) -> None:
+        self.p = proposer
+        self.cad = cad
+        self.device = sample_positions.device
+        self.max_model_len = proposer.max_model_len
+        self.block_size = proposer.block_size
+        self.positions_cpu = sample_positions.to("cpu", torch.int64)  # P per request
+        self.base_seq_cpu = base_seq_lens.to("cpu", torch.int64)  # P + 1 per request
+
+    def run(self, rows: torch.Tensor, tails: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One draft forward pass: request ``rows[i]`` is fed ``tails[i, start[i]:]`` at
+        positions ``P+1+start[i] .. P+j`` (``j = tails.shape[1]``; the earlier tail tokens'
+        KV is already in its slots). Returns the final hidden state after each row's last
+        token, ``[len(rows), H]``. ``rows``, ``tails``, ``start``: CPU int64 tensors.
+        """
+        p = self.p
+        n, j = tails.shape
+        q_lens = j - start
+        cols = torch.arange(j)
+        feed = cols.unsqueeze(0) >= start.unsqueeze(1)  # [n, j]
+        token_ids = tails[feed]  # row-major: each request's tokens are contiguous
+        positions = (self.positions_cpu[rows].unsqueeze(1) + 1 + cols.unsqueeze(0))[feed]
+        seq_lens = self.base_seq_cpu[rows] + j
+        # Near max_model_len: vLLM's drafter clamps and writes nothing out of range;
+        # drafts there are never scheduled, they only must not crash or corrupt.
+        too_far = positions >= self.max_model_len
+        positions = positions.clamp(max=self.max_model_len - 1)
+        seq_lens = seq_lens.clamp(max=self.max_model_len)
+        qsl_cpu = torch.zeros(n + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.cumsum(q_lens, 0).to(torch.int32)
+        num_tokens = int(qsl_cpu[-1])
+
+        dev = self.device
+        req_of_token = torch.repeat_interleave(torch.arange(n), q_lens)
+        block_table = self.cad.block_table_tensor[rows.to(dev)]
+        n_blocks = block_table.shape[1]
+        block_idx = torch.clamp(positions // self.block_size, max=n_blocks - 1)
+        blocks = block_table[req_of_token.to(dev), block_idx.to(dev)].to(torch.int64)
+        slot_mapping = blocks * self.block_size + (positions % self.block_size).to(dev)
+        slot_mapping = slot_mapping.masked_fill(too_far.to(dev), PADDING_SLOT_ID)
+
+        cad = self.cad.replace(
+            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens.to(device=dev, dtype=self.cad.seq_lens.dtype),
+            seq_lens_cpu_upper_bound=seq_lens.to(torch.int32),
+            num_reqs=n,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
+            positions=None,
+            is_prefilling=None,
+            dcp_local_seq_lens=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(cad, draft_index=j)
+        padding = p._determine_batch_execution_and_padding(num_tokens)
+        num_input_tokens = padding[1]
+        p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
+        p.positions[:num_tokens] = positions.to(dev)
+        if p.supports_mm_inputs:
+            p.inputs_embeds[:num_tokens] = p.model.embed_input_ids(p.input_ids[:num_tokens])
+            input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
+        else:
+            input_ids, inputs_embeds = p.input_ids[:num_input_tokens], None
+        hidden_states = p._draft_forward(
+            per_layer_attn_metadata,
+            num_tokens,
+            padding,
+            p._get_slot_mapping(num_input_tokens, slot_mapping),
+            dict(
+                input_ids=input_ids,
+                positions=p._get_positions(num_input_tokens),
+                inputs_embeds=inputs_embeds,
+            ),
+        )
+        last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
+        return hidden_states[last]
