@@ -220,6 +220,11 @@ def test_score_responses_on_fixture_pair_matches_per_position_reference(mode):
                 want = min(1.0, p_y / q_y)
             assert math.isclose(float(data.labels[rows]), want, rel_tol=1e-4)
             torch.testing.assert_close(data.features[rows], h[n_p + t], rtol=1e-4, atol=1e-4)
+            qt = sorted(q[n_p - 1 + t].tolist(), reverse=True)
+            assert math.isclose(float(data.signals["token_prob"][rows]), q_y, rel_tol=1e-5)
+            assert math.isclose(float(data.signals["max_prob"][rows]), qt[0], rel_tol=1e-5)
+            assert math.isclose(float(data.signals["top2_margin"][rows]), qt[0] - qt[1],
+                                rel_tol=1e-4, abs_tol=1e-6)
             rows += 1
     assert rows == data.labels.numel() and 0 < rows < 9
     assert data.stats["positions"] == 9

@@ -47,6 +47,7 @@ def test_train_head_end_to_end_is_deterministic(tmp_path):
     held = cfg["metrics"]["heldout"]
     assert held["responses"] == 2 and held["rows"] > 0 and 0.0 <= held["auc"] <= 1.0
     assert held["loss"] > 0 and 0.0 <= held["mean_label"] <= 1.0
+    assert set(held["confidence_signal_auc"]) == {"token_prob", "max_prob", "top2_margin"}
     history = json.loads((out1 / "metrics.json").read_text())["history"]
     assert [e["epoch"] for e in history] == [1, 2] and "heldout_auc" in history[-1]
     head = load_head(out1)

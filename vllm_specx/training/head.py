@@ -165,6 +165,9 @@ class HeadData:
     labels: torch.Tensor  # [N] min(1, p/q)
     response_index: torch.Tensor  # [N] which response the row came from
     stats: dict[str, Any] = field(default_factory=dict)
+    # The draft's own confidence in each row's token (training-free stop signals, same rows):
+    # token_prob q(y), max_prob max q, top2_margin top-1 minus top-2 of q.
+    signals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +211,7 @@ def score_responses(
     from tqdm.auto import tqdm
 
     feats, labels, index = [], [], []
+    signals: dict[str, list[torch.Tensor]] = {"token_prob": [], "max_prob": [], "top2_margin": []}
     n_positions = n_kept = 0
     label_sum_all = 0.0
     bar = tqdm(total=len(responses), desc="score", disable=not progress, unit="resp")
@@ -237,7 +241,13 @@ def score_responses(
             x = torch.tensor(r.response_ids, dtype=torch.long)
             mixed, keep_target = mix_tokens(x, y, mix_ratio, gen)
             mixed_seqs.append(r.prompt_ids + mixed.tolist())
-            keeps.append((a, keep_target))
+            top2 = q.topk(min(2, q.shape[-1]), dim=-1).values
+            conf = {
+                "token_prob": q.gather(1, y.view(-1, 1)).squeeze(1),
+                "max_prob": top2[:, 0],
+                "top2_margin": top2[:, 0] - (top2[:, 1] if top2.shape[1] > 1 else 0.0),
+            }
+            keeps.append((a, keep_target, conf))
             n_positions += n_r
             label_sum_all += float(a.sum())
         mids, mmask = _pad(mixed_seqs, pad_id)
@@ -245,12 +255,14 @@ def score_responses(
             hidden = _decoder(draft_model)(input_ids=mids, attention_mask=mmask)
             hidden = hidden.last_hidden_state.float()
         for b, (i, r) in enumerate(chunk):
-            a, keep_target = keeps[b]
+            a, keep_target, conf = keeps[b]
             n_p, n_r = len(r.prompt_ids), len(r.response_ids)
             h = hidden[b, n_p:n_p + n_r]  # hidden after feeding mixed token t
             train = ~keep_target
             feats.append(h[train])
             labels.append(a[train])
+            for name, values in conf.items():
+                signals[name].append(values[train])
             index.append(torch.full((int(train.sum()),), i, dtype=torch.long))
             n_kept += int(keep_target.sum())
     bar.close()
@@ -259,6 +271,7 @@ def score_responses(
         features=torch.cat(feats) if feats else torch.zeros(0, hidden_size),
         labels=torch.cat(labels) if labels else torch.zeros(0),
         response_index=torch.cat(index) if index else torch.zeros(0, dtype=torch.long),
+        signals={k: torch.cat(v) if v else torch.zeros(0) for k, v in signals.items()},
     )
     data.stats = {
         "responses": len(responses),
@@ -343,7 +356,16 @@ def train_head_on_data(
 
 def _subset(data: HeadData, keep: set[int]) -> HeadData:
     mask = torch.tensor([int(i) in keep for i in data.response_index.tolist()], dtype=torch.bool)
-    return HeadData(data.features[mask], data.labels[mask], data.response_index[mask])
+    return HeadData(data.features[mask], data.labels[mask], data.response_index[mask],
+                    signals={k: v[mask] for k, v in data.signals.items()})
+
+
+def signal_aucs(data: HeadData) -> dict[str, float]:
+    """AUC of each training-free confidence signal on ``data``'s rows (compare with the
+    head's: same rows, same labels)."""
+    from vllm_specx.training.loop import soft_auc
+
+    return {name: soft_auc(values, data.labels) for name, values in data.signals.items()}
 
 
 def _log(msg: str) -> None:
@@ -420,6 +442,7 @@ def train_head(
         "train": head_metrics(head, train.features, train.labels, options.reject_weight),
     }
     metrics["heldout"]["responses"] = len(held_idx)
+    metrics["heldout"]["confidence_signal_auc"] = signal_aucs(heldout)
     metrics["train"]["responses"] = len(train_idx)
     prompts_path = Path(prompts_file)
     head.meta = {
@@ -444,5 +467,8 @@ def train_head(
     (out / "metrics.json").write_text(json.dumps({"history": history, **metrics}, indent=2) + "\n")
     h = metrics["heldout"]
     log(f"held-out: loss {h['loss']:.4f}, AUC {h['auc']:.4f}, BCE {h['bce']:.4f} (constant "
-        f"predictor {h['bce_constant_predictor']:.4f}), {h['rows']} rows; head written to {out}")
+        f"predictor {h['bce_constant_predictor']:.4f}), {h['rows']} rows; AUC of the draft's "
+        "own confidence on the same rows: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in h["confidence_signal_auc"].items())
+        + f"; head written to {out}")
     return head.config_dict()
