@@ -94,17 +94,24 @@ class GrammarReplay:
     """Feeds generated tokens to a fresh xgrammar matcher: True when all are accepted
     (and, for a request that stopped on EOS, the matcher could terminate there)."""
 
-    def __init__(self, target_dir: str) -> None:
+    def __init__(self, target_dir: str, any_whitespace: bool = True) -> None:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
         compiler = xgr.GrammarCompiler(info)
+        # The same options vLLM's xgrammar backend passes.
+        separators = None if any_whitespace else (",", ":")
         self._xgr = xgr
         self._grammars = {
-            "json_object": compiler.compile_builtin_json_grammar(),
-            "json_schema": compiler.compile_json_schema(json.dumps(SCHEMA)),
+            # vLLM's xgrammar backend compiles json_object as the schema {"type": "object"}.
+            "json_object": compiler.compile_json_schema('{"type": "object"}',
+                                                        any_whitespace=any_whitespace,
+                                                        separators=separators),
+            "json_schema": compiler.compile_json_schema(json.dumps(SCHEMA),
+                                                        any_whitespace=any_whitespace,
+                                                        separators=separators),
         }
         self.eos = tokenizer.eos_token_id
 
@@ -136,7 +143,10 @@ def run_config(name: str, spec: dict[str, Any] | None, args: argparse.Namespace,
         # request prefilled in chunks (docs/upstream-vllm-cpu-adapter-defects.md, defect 4).
         max_num_seqs=args.num_seeds, max_num_batched_tokens=8192,
         max_model_len=256, disable_log_stats=False,
-        structured_outputs_config={"backend": args.backend},
+        # vLLM's xgrammar backend reads disable_any_whitespace from the engine's config
+        # only (the per-request field of StructuredOutputsParams is ignored there).
+        structured_outputs_config={"backend": args.backend,
+                                   "disable_any_whitespace": args.disable_any_whitespace},
     )
     if spec is not None:
         kwargs["speculative_config"] = {"model": str(draft), **spec}
@@ -208,13 +218,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--backend", default="xgrammar")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="engine-wide structured-output option: no optional whitespace")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     ensure_cpu_env()
     from vllm_specx.fixtures import fixture_model_dirs
 
-    replay = GrammarReplay(str(fixture_model_dirs()[0]))
+    replay = GrammarReplay(str(fixture_model_dirs()[0]),
+                           any_whitespace=not args.disable_any_whitespace)
     all_results = []
     for name in args.configs:
         res = run_config(name, CONFIGS[name], args, replay)
