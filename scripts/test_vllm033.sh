@@ -65,6 +65,8 @@ fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"
 "$VENV/bin/python" -c "import vllm; assert vllm.__version__.startswith('0.33.0'), vllm.__version__"
+echo "[vllm033] ruff check" >&2
+"$VENV/bin/ruff" check .
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?
