@@ -30,7 +30,7 @@ Pipeline (each step is a ``--stage``; later stages read what earlier ones left b
     references in ``head/train_prompts.jsonl``; the target answers them in vLLM at
     temperatures 0 and 1. Writes ``head/`` (config.json with the held-out loss and AUC,
     model.safetensors, metrics.json) and the head's numbers into ``REPORT.json``. Rebuild only
-    the head with ``--stage head`` (5-15 minutes, mostly the target's generation in vLLM).
+    the head with ``--stage head`` (9-15 minutes, mostly the target's generation in vLLM).
     ``--quick`` skips this stage unless ``--stage head`` names it.
 ``report``
     Reload both saved directories as a user would and write ``REPORT.json``: held-out
@@ -47,10 +47,11 @@ live in ``--work-dir`` (default ``.cache/fixture_build``, git-ignored).
 Runtime (measured on the project's 2-core machine shared with other jobs, 1 torch thread, bf16
 autocast): 12-25 minutes of wall time for the full build, depending on the load from other
 jobs (load average 3-8): tokenizer ~15 s, target 8-16 min, distill ~1 min, draft 3-5 min,
-report ~0.5 min; plus head 5-15 min (13.5 min at load average 12). The last full build's wall time, the load average at its start and every
-stage's time are in ``REPORT.json``. One torch thread on purpose: on the shared machine two
-OpenMP threads ran 2-3x slower than one. ``--quick`` trains a toy pair for a few steps (about
-5-20 s) and is meant for smoke tests into a temporary ``--out``.
+report ~0.5 min; plus head 9-15 min (9.5 min at load average 20, 13.5 at 12: mostly the
+target's generation in vLLM). The last full build's wall time, the load average at its start
+and every stage's time are in ``REPORT.json``. One torch thread on purpose: on the shared
+machine two OpenMP threads ran 2-3x slower than one. ``--quick`` trains a toy pair for a
+few steps (about 5-20 s) and is meant for smoke tests into a temporary ``--out``.
 
 Determinism: every random choice comes from a fixed seed (``--seed``, default 1234): file split
 and snippet choice hash the relative path, batches and sampling use seeded
