@@ -35,11 +35,16 @@ from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
 # The fixture draft's directory, filled in when the server starts.
 DRAFT = "<fixture draft>"
 
-# One entry per speculative method under load. New methods (adaptive, specx_mtp) add a line.
+# One entry per speculative method under load. New methods (specx_mtp) add a line.
 LOAD_METHODS = [
     pytest.param(
         {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2},
         id="mtad",
+    ),
+    pytest.param(
+        {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
+         "confidence_threshold": 0.5},
+        id="adaptive",
     ),
 ]
 
