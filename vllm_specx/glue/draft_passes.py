@@ -36,7 +36,7 @@ class SpecxDraftModelProposer(DraftModelProposer):
     separate steps, so a specx drafter can run the first pass and then its own passes.
 
     ``settings`` are the validated specx settings of the method (the runner hook sets
-    them right after construction; see ``glue/runner.py``).
+    them right after construction; see ``glue/runner_hook.py``).
     """
 
     settings: dict[str, Any]

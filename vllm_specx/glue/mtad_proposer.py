@@ -63,11 +63,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.spec_decode.draft_model import DraftModelProposer
-from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_specx.algorithms.beam_draft import (
     BeamSearchState,
@@ -80,6 +77,7 @@ from vllm_specx.algorithms.beam_tails import (
     split_rows_by_token_budget,
     tail_feed_start,
 )
+from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
 
 
 @dataclass
@@ -119,7 +117,7 @@ class MTADDraftStats:
         }
 
 
-class MTADProposer(DraftModelProposer):
+class MTADProposer(SpecxDraftModelProposer):
     """Draft-model proposer that drafts by beam search (MTAD). See the module docstring."""
 
     # Skip recomputing the part of a beam's tail already in the lookahead slots.
@@ -188,7 +186,7 @@ class MTADProposer(DraftModelProposer):
         self._last_draft_probs = None
         num_reqs = common_attn_metadata.batch_size()
 
-        logits, sample_positions, cad, first_tokens = self._first_pass(
+        first_hidden, sample_positions, cad, first_tokens = self._first_pass(
             target_token_ids=target_token_ids,
             target_positions=target_positions,
             target_hidden_states=target_hidden_states,
@@ -198,6 +196,7 @@ class MTADProposer(DraftModelProposer):
             mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
+        logits = self.model.compute_logits(first_hidden)
         self.last_sample_positions = sample_positions
         if k == 0:
             # Same contract as the base class: the pass above keeps the draft KV in sync.
@@ -254,85 +253,15 @@ class MTADProposer(DraftModelProposer):
         self.stats.record(num_reqs, k, self.num_beams, first_tokens, tail_tokens, tail_passes)
         return draft_tokens
 
-    def _draft_forward(
-        self,
-        per_layer_attn_metadata: Any,
-        num_tokens: int,
-        padding: tuple[Any, int, Any],
-        slot_mapping: Any,
-        model_kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        """One draft forward pass the way the base class runs one: EPLB bookkeeping, then
-        the model inside vLLM's forward context. ``padding`` is
-        ``_determine_batch_execution_and_padding(num_tokens)``'s result."""
-        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = padding
-        if self.eplb_state is not None:
-            self.eplb_state.prepare_forward(self.draft_model_config, num_tokens)
-        with set_forward_context(
-            per_layer_attn_metadata,
-            self.vllm_config,
-            num_tokens=num_input_tokens,
-            num_tokens_across_dp=num_tokens_across_dp,
-            cudagraph_runtime_mode=cudagraph_runtime_mode,
-            slot_mapping=slot_mapping,
-        ):
-            return self.model(**model_kwargs)
-
-    # ----------------------------------------------------------------------------------
-    # First pass: the base class's, step by step (its propose() fuses it with chain
-    # drafting, so it cannot be called for half of its work).
-    # ----------------------------------------------------------------------------------
-
-    def _first_pass(
-        self,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata: CommonAttentionMetadata,
-        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None,
-        num_rejected_tokens_gpu: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, int]:
-        """Run the draft over the verified tokens + the new token of every request.
-
-        Returns (first-token logits [R, V], position P of the new token [R], the extended
-        attention metadata, tokens fed).
-        """
-        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
-        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
-        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = (
-            self._determine_batch_execution_and_padding(num_tokens)
-        )
-        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
-            num_tokens, num_input_tokens, mm_embed_inputs
-        )
-        hidden_states = self._draft_forward(
-            per_layer_attn_metadata,
-            num_tokens,
-            (cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp),
-            self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
-            model_kwargs,
-        )
-        sample_positions = self.positions[token_indices_to_sample].clone()
-        logits = self.model.compute_logits(hidden_states[token_indices_to_sample])
-        return logits, sample_positions, cad, int(num_tokens)
-
 
 class _TailWriter:
     """Runs "beam tail" passes for one drafting round and remembers what the lookahead
     slots of every request hold, so a pass only recomputes what is not there yet.
 
-    Host-side bookkeeping: the tails are small ([R, j] ints), and every pass needs its
-    token count on the host anyway (attention metadata, CUDA-graph padding).
+    The passes themselves are :class:`~vllm_specx.glue.draft_passes.LookaheadPasses`
+    (shared with the adaptive drafter); what to feed is planned by
+    :mod:`vllm_specx.algorithms.beam_tails`. Host-side bookkeeping: the tails are small
+    ([R, j] ints), and every pass needs its token count on the host anyway.
     """
 
     def __init__(
@@ -344,13 +273,8 @@ class _TailWriter:
         k: int,
     ) -> None:
         self.p = proposer
-        self.cad = cad
-        self.device = sample_positions.device
+        self.passes = LookaheadPasses(proposer, cad, sample_positions, base_seq_lens)
         self.num_reqs = cad.batch_size()
-        self.max_model_len = proposer.max_model_len
-        self.block_size = proposer.block_size
-        self.positions_cpu = sample_positions.to("cpu", torch.int64)  # P per request
-        self.base_seq_cpu = base_seq_lens.to("cpu", torch.int64)  # P + 1 per request
         # Tokens whose KV sits in the lookahead slots P+1.. (valid for the first
         # `held_len` of them); nothing is held at the start of a round.
         self.held = torch.zeros(self.num_reqs, max(k - 1, 1), dtype=torch.int64)
@@ -367,78 +291,10 @@ class _TailWriter:
         q_lens = j - start
         logits_parts = []
         for lo, hi in split_rows_by_token_budget(q_lens, self.max_tokens):
-            logits_parts.append(self._pass(lo, hi, tails_cpu[lo:hi], start[lo:hi]))
+            rows = torch.arange(lo, hi, dtype=torch.int64)
+            hidden = self.passes.run(rows, tails_cpu[lo:hi], start[lo:hi])
+            logits_parts.append(self.p.model.compute_logits(hidden))
         tokens, passes = int(q_lens.sum()), len(logits_parts)
         self.held[:, :j] = tails_cpu
         self.held_len.fill_(j)
         return torch.cat(logits_parts, dim=0), tokens, passes
-
-    def _pass(self, lo: int, hi: int, tails: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """One draft forward pass over requests lo..hi-1, each fed tails[r, start[r]:]."""
-        p = self.p
-        rows, j = tails.shape
-        q_lens = j - start
-        cols = torch.arange(j)
-        feed = cols.unsqueeze(0) >= start.unsqueeze(1)  # [rows, j]
-        token_ids = tails[feed]  # row-major: each request's tokens are contiguous
-        # Lookahead position of tail token i is P + 1 + i.
-        positions = (self.positions_cpu[lo:hi].unsqueeze(1) + 1 + cols.unsqueeze(0))[feed]
-        seq_lens = self.base_seq_cpu[lo:hi] + j
-        # Near max_model_len: vLLM's drafter clamps and writes nothing out of range;
-        # drafts there are never scheduled, they only must not crash or corrupt.
-        too_far = positions >= self.max_model_len
-        positions = positions.clamp(max=self.max_model_len - 1)
-        seq_lens = seq_lens.clamp(max=self.max_model_len)
-        qsl_cpu = torch.zeros(rows + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.cumsum(q_lens, 0).to(torch.int32)
-        num_tokens = int(qsl_cpu[-1])
-
-        req_of_token = torch.repeat_interleave(torch.arange(rows), q_lens)
-        block_table = self.cad.block_table_tensor[lo:hi]
-        n_blocks = block_table.shape[1]
-        block_idx = torch.clamp(positions // self.block_size, max=n_blocks - 1)
-        dev = self.device
-        blocks = block_table[req_of_token.to(dev), block_idx.to(dev)].to(torch.int64)
-        slot_mapping = blocks * self.block_size + (positions % self.block_size).to(dev)
-        slot_mapping = slot_mapping.masked_fill(too_far.to(dev), PADDING_SLOT_ID)
-
-        cad = self.cad.replace(
-            query_start_loc=qsl_cpu.to(dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens.to(device=dev, dtype=self.cad.seq_lens.dtype),
-            seq_lens_cpu_upper_bound=seq_lens.to(torch.int32),
-            num_reqs=rows,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_table,
-            slot_mapping=slot_mapping,
-            positions=None,
-            is_prefilling=None,
-            dcp_local_seq_lens=None,
-            _num_computed_tokens_cache=None,
-            _token_to_req_indices_cache=None,
-        )
-        _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(cad, draft_index=j)
-        padding = p._determine_batch_execution_and_padding(num_tokens)
-        num_input_tokens = padding[1]
-        p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
-        p.positions[:num_tokens] = positions.to(dev)
-        if p.supports_mm_inputs:
-            p.inputs_embeds[:num_tokens] = p.model.embed_input_ids(p.input_ids[:num_tokens])
-            input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
-        else:
-            input_ids, inputs_embeds = p.input_ids[:num_input_tokens], None
-        hidden_states = p._draft_forward(
-            per_layer_attn_metadata,
-            num_tokens,
-            padding,
-            p._get_slot_mapping(num_input_tokens, slot_mapping),
-            dict(
-                input_ids=input_ids,
-                positions=p._get_positions(num_input_tokens),
-                inputs_embeds=inputs_embeds,
-            ),
-        )
-        last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
-        return p.model.compute_logits(hidden_states[last])
