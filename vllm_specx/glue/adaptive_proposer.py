@@ -29,6 +29,7 @@ from their own ``torch.Generator``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,6 +155,13 @@ class AdaptiveProposer(SpecxDraftModelProposer):
         head_dir = self.settings.get("acceptance_head")
         if head_dir:
             from vllm_specx.algorithms.acceptance_head import load_head
+
+            if not Path(head_dir).expanduser().exists():
+                # Config validation let it through as a hub id (org/name): fetch it the
+                # way vLLM fetches models, at engine start, not at the first request.
+                from huggingface_hub import snapshot_download
+
+                head_dir = snapshot_download(head_dir, allow_patterns=["*.json", "*.safetensors"])
 
             dtype = next(self.model.parameters()).dtype
             self.head = load_head(head_dir, device=self.device, dtype=dtype)
