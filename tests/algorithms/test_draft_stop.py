@@ -53,7 +53,8 @@ def _drive(rule: DraftStopRule, probs, token_probs, hiddens) -> list[int]:
     lengths = [0] * rows
     depth = 0
     while live.numel():
-        # Y_{depth+1} was drawn from q_{depth+1} = probs[:, depth]; h_depth = hiddens[:, depth].
+        # Y_{depth+1} was drawn from q_{depth+1} = probs[:, depth] and has joined;
+        # h_depth = hiddens[:, depth]. A row that stops has depth + 1 tokens.
         state, keep = rule.step(
             state,
             depth,
@@ -63,7 +64,7 @@ def _drive(rule: DraftStopRule, probs, token_probs, hiddens) -> list[int]:
         )
         assert keep.dtype == torch.bool and keep.shape == live.shape
         for r in live[~keep].tolist():
-            lengths[r] = depth
+            lengths[r] = depth + 1
         live, state = live[keep], state[keep]
         depth += 1
     return lengths
@@ -91,9 +92,10 @@ def _ref_lengths(kind: str, probs, token_probs, hiddens, *, k_min, k_max, thr, s
                             lin.weight.double() @ x + lin.bias.double())
                     z = head.output.weight.double() @ x + head.output.bias.double()
                 p_all *= 1.0 / (1.0 + math.exp(float(z[0] - z[1])))
-            if depth >= k_max:
+            # Y_{depth+1} has joined: the round holds depth + 1 tokens.
+            if depth + 1 >= k_max:
                 break
-            if depth >= k_min:
+            if depth + 1 >= k_min:
                 if kind == "conf":
                     conf = _ref_confidence(signal, probs[r, depth].tolist(),
                                            float(token_probs[r, depth]))
@@ -102,7 +104,7 @@ def _ref_lengths(kind: str, probs, token_probs, hiddens, *, k_min, k_max, thr, s
                 elif kind == "head" and 1.0 - p_all > thr:
                     break
             depth += 1
-        out.append(depth)
+        out.append(depth + 1)
     return out
 
 
@@ -150,8 +152,9 @@ def test_head_stop_matches_reference(shared, h, k_min, k_max):
         assert got == want
         lengths_all += got
     if h <= 1e-6:
-        # h near 0: any predicted risk stops the round at the minimum.
-        assert set(lengths_all) == {k_min}
+        # h near 0: any predicted risk stops the round as early as the head can: it judges
+        # Y_1 once Y_1 was fed, when Y_2 is drawn and kept, so at 2 tokens (or the clamp).
+        assert set(lengths_all) == {max(k_min, min(2, k_max))}
     if h >= 1 - 1e-6:
         # h near 1: the product never drops by 1 - 1e-7 in a few steps of P ~ 0.9: full K.
         assert set(lengths_all) == {k_max}

@@ -1,26 +1,33 @@
 """Per-request stop rules for adaptive-length chain drafting (SpecDec++: Huang et al. 2024).
 
-The drafter drafts chains ``Y_1, Y_2, ...`` for a batch of live requests. After it has
-drafted ``Y_1..Y_j`` (``depth = j``; every live row of one call has the same depth, because
-requests that stop leave the batch), feeding ``Y_j`` gave the draft's final hidden state
-``h_j`` (after its final norm: the tensor its LM head reads) and the warped next-token
-distribution ``q_{j+1}``, from which the candidate ``Y_{j+1}`` was just drawn. A rule answers,
-per row, whether ``Y_{j+1}`` joins the draft (``keep``) or the round stops at ``j``.
+The drafter drafts chains ``Y_1, Y_2, ...`` for a batch of live requests. At depth ``j``
+(``j = 0, 1, ...``; every live row of one call has the same depth, because requests that
+stop leave the batch) the draft has just drawn the candidate ``Y_{j+1}`` from its warped
+distribution ``q_{j+1}``, which it got by feeding ``Y_j`` (by the round's first pass when
+``j = 0``); feeding ``Y_j`` also gave its final hidden state ``h_j`` (after the final norm:
+the tensor its LM head reads). ``Y_{j+1}`` joins the draft in any case: it is already
+drawn, costs no further draft forward, and may be accepted. A rule answers, per row,
+whether the drafter goes on (``keep``: feed ``Y_{j+1}`` and draw ``Y_{j+2}``) or the round
+stops with ``j + 1`` tokens. A stop therefore never pays the draft forward that SpecDec++'s
+"stop before ``Y_{j+1}``" pays: that forward already happened when ``Y_{j+1}`` was drawn.
 
 Every rule is clamped to ``[min_tokens, max_tokens]`` (``min_speculative_tokens`` and
-``K_max``): ``keep`` is True while ``depth < min_tokens`` and False once
-``depth >= max_tokens``, whatever the rule says. State still advances on forced steps, so a
-rule's running product covers every drafted token.
+``K_max``) on the number of drafted tokens ``j + 1``: ``keep`` is True while
+``j + 1 < min_tokens`` and False once ``j + 1 >= max_tokens``, whatever the rule says.
+State still advances on forced steps, so a rule's running product covers every drafted
+token.
 
 Rules:
 
 * :class:`AlwaysContinue`: never stops early (fixed K = ``max_tokens``).
-* :class:`ConfidenceStop`: training-free; keep ``Y_{j+1}`` iff the draft's own confidence in
-  it is at least ``threshold``. Signals: ``token_prob`` = ``q_{j+1}(Y_{j+1})``, ``max_prob`` =
+* :class:`ConfidenceStop`: training-free; go on after ``Y_{j+1}`` iff the draft's own
+  confidence in it is at least ``threshold`` (the round ends with its first low-confidence
+  token). Signals: ``token_prob`` = ``q_{j+1}(Y_{j+1})``, ``max_prob`` =
   ``max q_{j+1}``, ``top2_margin`` = top-1 minus top-2 probability of ``q_{j+1}``.
 * :class:`HeadStop`: SpecDec++. ``P_j = head(h_j)`` is the predicted acceptance probability
   of ``Y_j``; ``P_all = prod_{i<=j} P_i``; keep iff not ``1 - P_all > h``: stop once the
-  predicted probability that some drafted token is rejected exceeds ``h``.
+  predicted probability that some token so far is rejected exceeds ``h`` (``Y_{j+1}``, already
+  drawn, is kept).
 
 Pure PyTorch, no vLLM import. The state is a plain ``[R]`` float32 tensor so the caller can
 slice it with its live-row mask.
@@ -61,7 +68,8 @@ class DraftStopRule(Protocol):
         next_probs: torch.Tensor | None,
         hidden: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(new_state [R], keep [R] bool)``: whether ``Y_{depth+1}`` joins the draft."""
+        """``(new_state [R], keep [R] bool)``: whether the drafter goes on after
+        ``Y_{depth+1}`` (which has joined the draft) or stops with ``depth + 1`` tokens."""
         ...
 
 
@@ -74,10 +82,12 @@ def _check_bounds(min_tokens: int, max_tokens: int) -> None:
 
 
 def clamp_keep(keep: torch.Tensor, depth: int, min_tokens: int, max_tokens: int) -> torch.Tensor:
-    """Force ``keep`` True while ``depth < min_tokens`` and False once ``depth >= max_tokens``."""
-    if depth >= max_tokens:
+    """At depth ``j`` the round holds ``j + 1`` tokens: force ``keep`` True while that is
+    under ``min_tokens`` and False once it reaches ``max_tokens``."""
+    drafted = depth + 1
+    if drafted >= max_tokens:
         return torch.zeros_like(keep, dtype=torch.bool)
-    if depth < min_tokens:
+    if drafted < min_tokens:
         return torch.ones_like(keep, dtype=torch.bool)
     return keep.to(torch.bool)
 

@@ -5,11 +5,16 @@
 on its own, after each draft step, whether to go on (the stop rules are pure functions in
 ``vllm_specx.algorithms.draft_stop``):
 
-* step 0 is the base class's first pass; it gives ``q_1`` and every request drafts ``Y_1``;
-* step ``j`` (1..K_max-1) feeds ``Y_j`` to the draft for the requests STILL DRAFTING only
-  (the batch shrinks as requests stop: no forward work for a request that stopped), which
-  gives the final hidden state ``h_j`` (the acceptance head's input) and ``q_{j+1}``;
-  ``Y_{j+1}`` is drawn and the stop rule says, per request, whether it joins the draft.
+* the base class's first pass gives ``q_1``; every request draws ``Y_1``;
+* at depth ``j`` (0..K_max-2) each live request holds ``Y_1..Y_{j+1}`` (the last one just
+  drawn) and the stop rule says whether it goes on. Those that go on feed ``Y_{j+1}`` to the
+  draft in one pass over the requests STILL DRAFTING only (the batch shrinks as requests
+  stop: no forward work for a request that stopped), which gives the final hidden state
+  ``h_{j+1}`` (the acceptance head's input) and ``q_{j+2}``, from which ``Y_{j+2}`` is drawn.
+
+A stop keeps the token already drawn: it cost its draft forward already and may be
+accepted, so a request that drafts ``n`` tokens costs exactly ``n`` draft forwards (the
+first pass and ``n - 1`` lookahead passes), like a fixed-length draft of ``n``.
 
 The proposer returns ``list[list[int]]`` (one list per request, of the length it drafted),
 the same ragged form vLLM's ngram proposer returns, so the scheduler receives exactly the
@@ -226,29 +231,27 @@ class AdaptiveProposer(SpecxDraftModelProposer):
         q_full = None
         live = torch.arange(num_reqs)  # host indices of the requests still drafting
 
-        logits = self.model.compute_logits(hidden)
-        y, probs = _draw(logits, sampling_metadata, live, draw_greedy, generators)
-        if keep_q:
-            q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
-                                 device=device)
-            q_full[:, 0] = probs
-        tokens[:, 0] = y.to("cpu")
-        lengths[:] = 1
-
         base_seq_lens = cad.seq_lens
         if num_rejected_tokens_gpu is not None:
             base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
         passes = LookaheadPasses(self, cad, sample_positions, base_seq_lens)
         n_passes = n_rows = 0
-        for depth in range(1, k_max):
-            # Feed Y_depth to the requests still drafting; their KV for Y_1..Y_{depth-1}
-            # was written by the earlier passes of this round.
-            start = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
-            hidden = passes.run(live, tokens[live, :depth], start)
-            n_passes += 1
-            n_rows += live.numel()
+        depth = 0
+        while True:
+            # Y_{depth+1} is drawn from q_{depth+1} (the first pass's logits at depth 0,
+            # else those after feeding Y_depth) and joins the draft of every live request.
             logits = self.model.compute_logits(hidden)
             y, probs = _draw(logits, sampling_metadata, live, draw_greedy, generators)
+            if q_full is None and keep_q:
+                q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
+                                     device=device)
+            tokens[live, depth] = y.to("cpu")
+            lengths[live] = depth + 1
+            if q_full is not None:
+                q_full[live.to(device), depth] = probs
+            if depth + 1 >= k_max:
+                break
+            # Go on (feed Y_{depth+1}) or stop with depth + 1 tokens, per request.
             dev_live = live.to(device)
             y_prob = probs.gather(1, y.view(-1, 1)).squeeze(1)
             new_state, keep = rule.step(
@@ -256,15 +259,16 @@ class AdaptiveProposer(SpecxDraftModelProposer):
                 hidden=hidden if rule.needs_hidden else None,
             )
             state[dev_live] = new_state.to(state.dtype)
-            keep_cpu = keep.to("cpu")
-            kept = live[keep_cpu]
-            if kept.numel() == 0:
+            live = live[keep.to("cpu")]
+            if live.numel() == 0:
                 break
-            tokens[kept, depth] = y.to("cpu")[keep_cpu]
-            lengths[kept] = depth + 1
-            if q_full is not None:
-                q_full[kept.to(device), depth] = probs[keep.to(device)]
-            live = kept
+            depth += 1
+            # Feed Y_depth to the requests still drafting (their KV for Y_1..Y_{depth-1}
+            # was written by the earlier passes of this round): the batch shrinks.
+            start = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
+            hidden = passes.run(live, tokens[live, :depth], start)
+            n_passes += 1
+            n_rows += live.numel()
 
         self.last_draft_lengths = lengths.tolist()
         self.stats.record(self.last_draft_lengths, k_max, first_tokens, n_passes, n_rows)
