@@ -279,3 +279,18 @@ def test_draft_lengths_and_hindsight_oracle():
     # The drafter itself paid one forward per drafted token (14): the oracle is faster.
     assert m["projected_speedup"] == pytest.approx(1 / (1.4 / 14 + 0.5))
     assert m["oracle_projected_speedup"] > m["projected_speedup"]
+
+
+def test_drafter_counts_are_scaled_to_the_verified_rounds():
+    """The two-request trace has 5 verification steps. A drafter that reports 7
+    request-rounds (two more: one after each request's last step), 20 drafted tokens and
+    26 draft forwards is charged 5/7 of them, like a hook-counted drafter."""
+    drafter = DrafterStats(drafted_tokens=20, scheduled_tokens=20, draft_forward_passes=26,
+                           request_rounds=7)
+    m = config_metrics(two_request_trace(), drafter=drafter, t_target=1.0, t_draft=0.1)
+    assert m["draft_forward_passes"] == pytest.approx(26 * 5 / 7)
+    assert m["drafted_tokens"] == round(20 * 5 / 7)
+    assert m["padding_ratio"] == 0.0
+    assert m["projected_speedup"] == pytest.approx(1 / (0.1 * 26 * 5 / 7 / 14 + 7 / 14))
+    assert DrafterStats.from_mapping({"draft_forward_passes": 3, "requests": 2}) == DrafterStats(
+        draft_forward_passes=3, request_rounds=2)

@@ -28,7 +28,10 @@ acceptance counters; the engine loop records what each step emitted.
   conditions on the position having been drafted.
 * ``draft_forward_passes`` N_draft: draft-model forwards a request took part in. From the
   drafter when it reports them; else verification steps x (draft forwards per drafting
-  round, counted by the benchmark's hooks); else one per drafted token.
+  round, counted by the benchmark's hooks); else one per drafted token. A drafter also
+  drafts rounds nobody verifies (after a request's last step); when it reports its
+  request-rounds, its counts are scaled by verification steps / request-rounds, so every
+  drafter is charged for the verified rounds only.
 * ``padding_ratio`` = (scheduled - needed) / needed verification positions, where a
   verification step of a request with k drafts needs k + 1 query positions (the drafts and
   the position after them). vLLM packs verification ragged and schedules exactly the
@@ -108,6 +111,11 @@ class DrafterStats:
     drafted_tokens: int | None = None
     scheduled_tokens: int | None = None
     draft_forward_passes: int | None = None
+    # Request-rounds the drafter drafted for. It also drafts after a request's last step
+    # (and during partial prefills), rounds nobody verifies and that the hook-counted
+    # drafters are not charged for; with this count its numbers are scaled to the
+    # verified rounds, so both are compared on the same rounds.
+    request_rounds: int | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> DrafterStats | None:
@@ -118,7 +126,8 @@ class DrafterStats:
             value = data.get(key)
             return int(value) if isinstance(value, (int, float)) else None
 
-        stats = cls(get("drafted_tokens"), get("scheduled_tokens"), get("draft_forward_passes"))
+        stats = cls(get("drafted_tokens"), get("scheduled_tokens"), get("draft_forward_passes"),
+                    get("requests"))
         if stats == cls():
             return None
         return stats
@@ -271,11 +280,15 @@ def config_metrics(
     scheduled = c.drafted_tokens
     drafted = c.drafted_tokens
     padding_source = "vllm-scheduler"
+    # The share of the drafter's own counts that belongs to verified rounds.
+    verified_share = 1.0
+    if drafter is not None and drafter.request_rounds:
+        verified_share = min(1.0, c.verification_steps / drafter.request_rounds)
     if drafter is not None:
         if drafter.scheduled_tokens is not None:
-            scheduled = drafter.scheduled_tokens
+            scheduled = round(drafter.scheduled_tokens * verified_share)
         if drafter.drafted_tokens is not None:
-            drafted = drafter.drafted_tokens
+            drafted = round(drafter.drafted_tokens * verified_share)
             padding_source = "drafter"
     discarded = drafted - emitted_drafts
     if discarded < 0:
@@ -286,8 +299,9 @@ def config_metrics(
     draft_forwards: float = drafted
     draft_forward_source = "one per drafted token"
     if drafter is not None and drafter.draft_forward_passes is not None:
-        draft_forwards = drafter.draft_forward_passes
-        draft_forward_source = "drafter"
+        draft_forwards = drafter.draft_forward_passes * verified_share
+        draft_forward_source = "drafter" + (
+            ", scaled to the verified rounds" if verified_share < 1.0 else "")
     elif draft_forwards_per_round is not None:
         # Every request in a drafting round takes part in all of its (batched) draft
         # forwards: a beam search's extra passes are counted, an early stop's saved ones
