@@ -33,31 +33,14 @@ def prompts_sha256(prompts: list[str]) -> str:
 
 
 def read_jsonl(path: str | Path, limit: int | None = None) -> PromptSet:
-    """Prompts from a JSONL file: each non-empty line is a JSON string or an object with a
-    ``"prompt"`` string. ``limit`` keeps the first ones."""
-    path = Path(path)
-    prompts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
-            if isinstance(item, dict):
-                item = item.get("prompt")
-            if not isinstance(item, str) or not item:
-                raise ValueError(
-                    f'{path}:{lineno}: expected a JSON string or an object with a "prompt" '
-                    "string"
-                )
-            prompts.append(item)
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return PromptSet(prompts, f"file:{path}")
+    """Prompts from a JSONL prompt file (the format ``vllm-specx train-head`` reads too: a
+    JSON string, an object with a ``"prompt"`` string, or a stdlib reference per non-empty
+    line; see :func:`vllm_specx.training.data.read_prompt_file`). ``limit`` keeps the first
+    ones."""
+    from vllm_specx.training.data import read_prompt_file
+
+    prompts = read_prompt_file(path)
+    return PromptSet(prompts[:limit] if limit is not None else prompts, f"file:{Path(path)}")
 
 
 def default_prompts(n: int) -> PromptSet:
