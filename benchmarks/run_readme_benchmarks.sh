@@ -58,3 +58,41 @@ for T in 0 1; do
     --config "$(printf "$DM" 4 4)" \
     --config "{\"method\":\"draft_model\",\"num_speculative_tokens\":4,\"model\":\"$OUT/hetero/missing64\",$H,\"name\":\"draft_model K=4, 64 missing\"}"
 done
+
+# 6. Adaptive-length drafting (SpecDec++ stop, EMS-SD unpadded batches) against fixed K:
+#    batch 8 (8 prompts), batch 1 and batch 32 (32 prompts); T=0 and T=1. Every row also
+#    reports the SpecDec++ hindsight oracle (oracle_projected_speedup) and the padding
+#    ratio; benchmarks/adaptive_table.py re-projects each report with one draft/target
+#    cost ratio (0.30, measured on a quiet 2-core host) and prints the README's tables.
+HEAD="$(python -c 'from vllm_specx.fixtures import fixtures_root; print(fixtures_root() / "head")')"
+SS='{"method":"draft_model","num_speculative_tokens":%s,"draft_sample_method":"probabilistic","name":"spec. sampling K=%s"}'
+AD='{"method":"adaptive","num_speculative_tokens":%s,%s,"name":"%s"}'
+HD="\"acceptance_head\":\"$HEAD\",\"stop_threshold\""
+CFGS=()
+for K in 1 2 3 4 6 8; do CFGS+=(--config "$(printf "$DM" "$K" "$K")"); done
+for C in 0.3 0.5 0.7; do CFGS+=(--config "$(printf "$AD" 8 "\"confidence_threshold\":$C" "adaptive conf=$C")"); done
+CFGS+=(--config "$(printf "$AD" 8 '"confidence_threshold":0.5,"confidence_signal":"top2_margin"' "adaptive margin=0.5")"
+       --config "$(printf "$AD" 12 '"confidence_threshold":0.5' "adaptive K=12 conf=0.5")")
+for H in 0.7 0.95; do CFGS+=(--config "$(printf "$AD" 8 "$HD:$H" "adaptive head h=$H")"); done
+vllm-specx bench --temperature 0 --ignore-eos --no-plots -o "$OUT/adaptive_T0_b8.json" "${CFGS[@]}"
+CFGS=()
+for K in 1 2 4 8; do CFGS+=(--config "$(printf "$DM" "$K" "$K")"); done
+for K in 1 2 3 4 6 8; do CFGS+=(--config "$(printf "$SS" "$K" "$K")"); done
+for C in 0.1 0.3 0.5; do CFGS+=(--config "$(printf "$AD" 8 "\"confidence_threshold\":$C" "adaptive conf=$C")"); done
+CFGS+=(--config "$(printf "$AD" 8 '"confidence_threshold":0.5,"confidence_signal":"max_prob"' "adaptive max_prob=0.5")"
+       --config "$(printf "$AD" 8 '"confidence_threshold":0.5,"draft_sampling":"greedy"' "adaptive conf=0.5 greedy drafts")")
+for H in 0.5 0.7 0.9 0.98; do CFGS+=(--config "$(printf "$AD" 8 "$HD:$H" "adaptive head h=$H")"); done
+vllm-specx bench --temperature 1 --ignore-eos --no-plots -o "$OUT/adaptive_T1_b8.json" "${CFGS[@]}"
+B1='{"max_num_seqs": 1}'
+vllm-specx bench --temperature 0 --ignore-eos --no-plots --engine-args "$B1" -o "$OUT/adaptive_T0_b1.json" \
+  --config "$(printf "$DM" 4 4)" --config "$(printf "$DM" 6 6)" \
+  --config "$(printf "$AD" 8 '"confidence_threshold":0.5' "adaptive conf=0.5")" \
+  --config "$(printf "$AD" 8 "$HD:0.7" "adaptive head h=0.7")" --config "$(printf "$AD" 8 "$HD:0.95" "adaptive head h=0.95")"
+vllm-specx bench --temperature 1 --ignore-eos --no-plots --engine-args "$B1" -o "$OUT/adaptive_T1_b1.json" \
+  --config "$(printf "$SS" 1 1)" --config "$(printf "$SS" 2 2)" \
+  --config "$(printf "$AD" 8 '"confidence_threshold":0.5' "adaptive conf=0.5")" \
+  --config "$(printf "$AD" 8 "$HD:0.7" "adaptive head h=0.7")"
+vllm-specx bench --temperature 0 --ignore-eos --no-plots --num-prompts 32 --engine-args '{"max_num_seqs": 32}' \
+  -o "$OUT/adaptive_T0_b32.json" --config "$(printf "$DM" 4 4)" \
+  --config "$(printf "$AD" 8 '"confidence_threshold":0.5' "adaptive conf=0.5")"
+python benchmarks/adaptive_table.py --cost-ratio 0.30 "$OUT"/adaptive_T*_b*.json | tee "$OUT/adaptive_tables.md"
