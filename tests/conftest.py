@@ -9,8 +9,21 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # Leave OpenMP threads unpinned: the CPU worker's pinning fights other processes on a
 # small shared machine.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run a test with one torch intra-op thread, restoring the count afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

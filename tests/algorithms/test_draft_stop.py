@@ -22,13 +22,8 @@ from vllm_specx.algorithms.draft_stop import (
     make_stop_rule,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Many small torch ops: one intra-op thread is faster on a small shared machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _random_round(rows: int, k_max: int, vocab: int, hidden: int, seed: int):

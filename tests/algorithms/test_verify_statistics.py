@@ -32,12 +32,8 @@ V, K, N = 8, 3, 200_000
 SIGNIFICANCE = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Many small torch ops: one intra-op thread is faster on a small shared machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _table(g: torch.Generator, rows: int, zeros: int = 2, scale: float = 1.0) -> torch.Tensor:

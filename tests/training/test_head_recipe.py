@@ -24,13 +24,8 @@ from vllm_specx.training.head import (
 )
 from vllm_specx.training.loop import soft_auc, train_loop
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Many small torch ops: one intra-op thread is faster on a small shared machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_acceptance_labels_match_per_token_reference():
