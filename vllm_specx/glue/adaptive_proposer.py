@@ -151,7 +151,6 @@ class AdaptiveProposer(SpecxDraftModelProposer):
             )
         self.stats = AdaptiveDraftStats()
         self.head: Any = None
-        self.last_draft_lengths: list[int] = []
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -270,8 +269,7 @@ class AdaptiveProposer(SpecxDraftModelProposer):
             n_passes += 1
             n_rows += live.numel()
 
-        self.last_draft_lengths = lengths.tolist()
-        self.stats.record(self.last_draft_lengths, k_max, first_tokens, n_passes, n_rows)
+        self.stats.record(lengths.tolist(), k_max, first_tokens, n_passes, n_rows)
         if q_full is not None:
             # The runner slices [row, :num_draft] per request: rows past a request's
             # length are never read.
