@@ -6,7 +6,7 @@ when vLLM runs on the CPU platform and no compiled CPU attention op exists. See
 docs/cpu-reference-backend.md.
 
 * this module -- the decision to register, and the registration;
-* :mod:`.attention`, :mod:`.rotary`, :mod:`.sampling`, :mod:`.spec_decode` -- the ops;
+* :mod:`.attention`, :mod:`.mla`, :mod:`.rotary`, :mod:`.sampling`, :mod:`.spec_decode` -- the ops;
 * :mod:`.schemas` -- the drift table: per vLLM release, the ops and their schemas;
   :mod:`.drift` -- the checks that refuse a vLLM the table does not describe;
 * :mod:`.kernel_overrides`, :mod:`.vllm_fixes` -- the patches of vLLM's CPU path (listed
@@ -72,7 +72,7 @@ def _compiled_cpu_attention_present() -> bool:
 
 def implementations() -> dict[str, Callable[..., Any]]:
     """Op name -> PyTorch implementation (every op the drift table may list)."""
-    from vllm_specx.cpu_ops import attention, rotary, sampling, spec_decode
+    from vllm_specx.cpu_ops import attention, mla, rotary, sampling, spec_decode
 
     def init_cpu_memory_env(node_ids: list[int]) -> None:
         # The compiled op binds allocations to NUMA nodes; nothing to do in PyTorch.
@@ -85,6 +85,7 @@ def implementations() -> dict[str, Callable[..., Any]]:
         "get_scheduler_metadata": attention.get_scheduler_metadata,
         "cpu_attn_reshape_and_cache": attention.cpu_attn_reshape_and_cache,
         "cpu_attention_with_kv_cache": attention.cpu_attention_with_kv_cache,
+        "mla_decode_kvcache": mla.mla_decode_kvcache,
         "compute_slot_mapping_kernel_impl": spec_decode.compute_slot_mapping_kernel_impl,
         "greedy_argmax": sampling.greedy_argmax,
         "fused_gumbel_argmax": sampling.fused_gumbel_argmax,

@@ -124,6 +124,13 @@ _OPS_0_32_0: dict[str, str] = {
         "SymInt parallel_drafting_token_id, SymInt total_input_tokens, "
         "SymInt num_padding_slots_per_request, bool shift_input_ids) -> ()"
     ),
+    # --- MLA (DeepSeek) ----------------------------------------------------------------
+    # The CPU_MLA backend's decode step (vllm/_custom_ops.py::mla_decode_kvcache_cpu);
+    # schema as csrc/cpu/torch_bindings.cpp declares it.
+    "mla_decode_kvcache": (
+        "mla_decode_kvcache(Tensor(a0!) out, Tensor query, Tensor kv_cache, float scale, "
+        "Tensor block_tables, Tensor seq_lens) -> ()"
+    ),
 }
 
 _RELEASE_0_32_0 = ReleaseTable(
@@ -175,6 +182,8 @@ RELEASES: dict[str, ReleaseTable] = {
     # parallelism as the kernel does, so ours stays; the expand adapter still writes
     # int64 copies. The attention kernel's internal work-item layout changed, which the
     # reference ops do not share (get_scheduler_metadata's tensor is opaque to vLLM).
+    # mla_decode_kvcache was added to the table later (2026-11-22) and checked against
+    # 0.32.0 only; the call-site scan still checks its 0.33.0 call when run there.
     "0.33.0": _RELEASE_0_32_0,
 }
 
