@@ -12,6 +12,10 @@ The same specifier is the supported range that the plugin checks at load time
 from setuptools import find_packages, setup
 
 SUPPORTED_VLLM = ">=0.32.0,<0.34"
+# transformers needs both to convert the real target of `vllm-specx bench` (SmolLM2-135M-
+# Instruct, shipped as a GGUF; vllm_specx/real_pair.py). In every extra a bench or the
+# tests can come through: `[vllm]` for users, `[test,bench]` for scripts/setup_env.sh.
+REAL_PAIR = ["gguf>=0.10", "accelerate>=0.26"]
 
 setup(
     name="vllm-specx",
@@ -21,12 +25,15 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_specx", "vllm_specx.*"]),
-    package_data={"vllm_specx": ["py.typed"]},
+    # Package data: the real pair's prompt sets and the committed drafter for SmolLM2-135M
+    # (vllm_specx/models/smollm2_draft/), so `vllm-specx bench` works from a plain wheel.
+    package_data={"vllm_specx": ["py.typed", "prompts/*.jsonl", "models/*/*"]},
     install_requires=["packaging"],
     extras_require={
-        "vllm": [f"vllm{SUPPORTED_VLLM}"],
-        "test": ["pytest>=8", "ruff>=0.6", "scipy", "transformers", "tokenizers", "safetensors"],
-        "bench": ["matplotlib", "tqdm"],
+        "vllm": [f"vllm{SUPPORTED_VLLM}", *REAL_PAIR],
+        "test": ["pytest>=8", "ruff>=0.6", "scipy", "transformers", "tokenizers", "safetensors",
+                 *REAL_PAIR],
+        "bench": ["matplotlib", "tqdm", *REAL_PAIR],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_specx = vllm_specx.plugin:register"],
