@@ -3,6 +3,7 @@
     vllm-specx methods     the specx methods, their knobs and defaults
     vllm-specx bench       the benchmark (see ``vllm-specx bench --help``)
     vllm-specx train-head  train a SpecDec++ acceptance head for a draft model
+    vllm-specx fetch-target  download and convert the real benchmark target, once
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_specx.training.cli import add_train_head_parser
 
     add_train_head_parser(sub)
+
+    from vllm_specx.real_pair import add_fetch_target_parser
+
+    add_fetch_target_parser(sub)
     return parser
 
 
