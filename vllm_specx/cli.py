@@ -4,6 +4,7 @@
     vllm-specx bench       the benchmark (see ``vllm-specx bench --help``)
     vllm-specx train-head  train a SpecDec++ acceptance head for a draft model
     vllm-specx fetch-target  download and convert the real benchmark target, once
+    vllm-specx distill     train a draft model for a target by self-distillation
 """
 
 from __future__ import annotations
@@ -57,18 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_bench_parser(sub)
 
-    from vllm_specx.training.cli import add_train_head_parser
+    from vllm_specx.training.cli import add_distill_parser, add_train_head_parser
 
     add_train_head_parser(sub)
 
     from vllm_specx.real_pair import add_fetch_target_parser
 
     add_fetch_target_parser(sub)
+    add_distill_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # commands that record how they were run (distill's REPORT.json)
     return int(args.func(args) or 0)
 
 

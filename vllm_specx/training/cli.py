@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,18 +103,10 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         print(f"vllm-specx train-head: --prompts {args.prompts}: no such file; allowed: a "
               "JSONL prompt file", file=sys.stderr)
         return 2
-    engine_args = None
-    if args.engine_args:
-        try:
-            engine_args = json.loads(args.engine_args)
-        except json.JSONDecodeError as exc:
-            print(f"vllm-specx train-head: --engine-args {args.engine_args!r}: not JSON "
-                  f"({exc.msg}); allowed: a JSON object", file=sys.stderr)
-            return 2
-        if not isinstance(engine_args, dict):
-            print(f"vllm-specx train-head: --engine-args {args.engine_args!r}: allowed: a JSON "
-                  "object", file=sys.stderr)
-            return 2
+    engine_args, error = _engine_args_or_error("train-head", args.engine_args)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
     if args.num_prompts is not None and args.num_prompts < 1:
         print(f"vllm-specx train-head: --num-prompts {args.num_prompts}: allowed: an integer "
               ">= 1", file=sys.stderr)
@@ -135,4 +128,245 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     train_head(args.target, args.draft, args.prompts, args.output, options,
                max_prompts=args.num_prompts, engine_args=engine_args,
                progress=not args.no_progress)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# vllm-specx distill
+# --------------------------------------------------------------------------------------------
+
+
+def _engine_args_or_error(command: str, text: str | None) -> tuple[dict[str, Any] | None, str]:
+    """(``--engine-args`` parsed, "") or (None, one error line)."""
+    if not text:
+        return None, ""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, (f"vllm-specx {command}: --engine-args {text!r}: not JSON ({exc.msg}); "
+                      "allowed: a JSON object")
+    if not isinstance(value, dict):
+        return None, f"vllm-specx {command}: --engine-args {text!r}: allowed: a JSON object"
+    return value, ""
+
+
+def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``distill`` to the ``vllm-specx`` sub-commands (called by ``vllm_specx.cli``)."""
+    from vllm_specx.training.distill import (
+        AUTOCAST_MODES,
+        EMBED_INITS,
+        SAVE_DTYPES,
+        SIZE_HELP,
+        STAGES,
+        DistillOptions,
+    )
+
+    d = DistillOptions()
+    p = subparsers.add_parser(
+        "distill",
+        help="train a draft model for a target by self-distillation (seed 004)",
+        description=(
+            "Train a small draft model for TARGET: the target answers the prompts in vLLM at "
+            "several temperatures (self-distillation data), the drafter is optionally "
+            "pretrained on raw text (--corpus), then fine-tuned on the target's answers. "
+            "Writes a Hugging Face directory (config.json, model.safetensors, the target's "
+            "tokenizer) that the draft_model, mtad and adaptive methods load as it is, and "
+            "REPORT.json in it: agreement with the target's greedy token and acceptance "
+            "estimates on held-out prompts. Stages (data, pretrain, finetune, report) are "
+            "resumable: a stage finished in the work directory is skipped when the command "
+            "is run again with the same inputs. Deterministic for a seed on one machine."
+        ),
+        epilog="example: vllm-specx distill --target fixtures/models/target --draft-config "
+        "small --prompts prompts.jsonl --corpus texts/ -o drafts/my-draft",
+    )
+    p.add_argument("--target", type=Path, required=True,
+                   help="target model directory (Hugging Face format); the drafter shares its "
+                   "vocabulary and tokenizer")
+    start = p.add_mutually_exclusive_group(required=True)
+    start.add_argument("--init", type=Path, metavar="DRAFT_DIR",
+                       help="start from this draft model directory (same vocabulary as the "
+                       "target) instead of a new model")
+    start.add_argument("--draft-config", metavar="SIZE",
+                       help="start from a new Llama drafter of this size: " + SIZE_HELP)
+    p.add_argument("--prompts", type=Path, required=True, metavar="FILE.jsonl",
+                   help="prompts the target answers: one JSON string, {\"prompt\": ...} object "
+                   "or stdlib reference per line; a seeded --heldout-fraction of them is kept "
+                   "for the report; keep them apart from the prompts you benchmark on")
+    p.add_argument("--corpus", type=Path, metavar="DIR_OR_FILE",
+                   help="raw text to pretrain on before distillation: a text file, or a "
+                   "directory (every *.txt, *.md, *.rst, *.py, *.json(l), *.html, *.c, *.h "
+                   "file under it); without it there is no pretrain stage")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="DIR",
+                   help="output draft directory (created; REPORT.json is written into it)")
+    p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
+                   help="intermediate files and stage markers (default: DIR.work beside the "
+                   "output); delete it, or pass --restart, to start over")
+    p.add_argument("--restart", action="store_true",
+                   help="forget finished stages (their markers in the work directory and "
+                   "REPORT.json) and run every stage again")
+    p.add_argument("--stop-after", choices=STAGES, default=None,
+                   help="stop after this stage (a later run with the same inputs resumes)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N prompts of --prompts (default: all)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seeds generation (request i: seed + i), the held-out split, "
+                   "initialisation, corpus windows and shuffling (default: %(default)s)")
+    p.add_argument("--temperature", type=float, action="append", default=None,
+                   help="target sampling temperature of the distillation data, 0 = greedy; "
+                   "repeatable, every prompt is answered at each (default: 0, 0.3, 0.7, 1.0 "
+                   "as seed 004)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="tokens generated per answer (default: %(default)s)")
+    p.add_argument("--chat-template", action="store_true",
+                   help="wrap each prompt in the target tokenizer's chat template as a user "
+                   "turn (for instruction-tuned targets served through chat)")
+    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help="fraction of the prompts held out for REPORT.json (default: "
+                   "%(default)s; at least one prompt)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help="tokens per training row: corpus window length, and the cut of "
+                   "prompt + answer rows (default: %(default)s)")
+    p.add_argument("--pretrain-steps", type=int, default=d.pretrain_steps,
+                   help="optimiser steps on the corpus (default: %(default)s; ignored without "
+                   "--corpus)")
+    p.add_argument("--pretrain-batch", type=int, default=d.pretrain_batch,
+                   help="corpus windows per step (default: %(default)s)")
+    p.add_argument("--pretrain-lr", type=float, default=d.pretrain_lr,
+                   help="peak learning rate of pretraining (default: %(default)s)")
+    p.add_argument("--finetune-steps", type=int, default=d.finetune_steps,
+                   help="optimiser steps on the target's answers (default: %(default)s); 0 = "
+                   "no distillation (a raw-text-only drafter; then only the held-out prompts "
+                   "are answered, for the report)")
+    p.add_argument("--finetune-batch", type=int, default=d.finetune_batch,
+                   help="answers per step (default: %(default)s)")
+    p.add_argument("--finetune-lr", type=float, default=d.finetune_lr,
+                   help="peak learning rate of fine-tuning (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay of matrices; norm gains get none "
+                   "(default: %(default)s)")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                   help="global gradient-norm clip (default: %(default)s)")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help="the cosine schedule ends at this fraction of the peak rate "
+                   "(default: %(default)s)")
+    p.add_argument("--embed-init", choices=EMBED_INITS, default=d.embed_init,
+                   help="new drafters only: 'target' starts the embedding from the target's, "
+                   "projected on its principal directions to the draft width; 'random' as "
+                   "usual (default: %(default)s)")
+    p.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="new drafters only: longest context (default: the target's)")
+    p.add_argument("--save-dtype", choices=SAVE_DTYPES, default=d.save_dtype,
+                   help="dtype of the saved weights; bfloat16 halves the size on disk, vLLM "
+                   "casts to the engine's dtype when loading (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads; results depend on it (default: %(default)s)")
+    p.add_argument("--autocast", choices=AUTOCAST_MODES, default=d.autocast,
+                   help="bf16 autocast of the training forward: auto = on where the CPU has "
+                   "native bf16 (AMX/AVX512-BF16) (default: %(default)s)")
+    p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
+                   help="extra vllm.LLM keyword arguments for the generation engine, e.g. "
+                   "'{\"max_model_len\": 2048}' (defaults: vllm_specx.engine.CPU_ENGINE_DEFAULTS)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_distill)
+
+    def one_line_error(message: str) -> None:
+        # argparse's own refusals (a missing or unknown flag) as one line, like the others.
+        print(f"vllm-specx distill: {message}; see vllm-specx distill --help", file=sys.stderr)
+        raise SystemExit(2)
+
+    p.error = one_line_error  # type: ignore[method-assign]
+    return p
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from vllm_specx.training.distill import (
+        STAGES,
+        DistillJob,
+        DistillOptions,
+        default_work_dir,
+        distill,
+        parse_draft_size,
+    )
+
+    def refuse(message: str) -> int:
+        print(message, file=sys.stderr)
+        return 2
+
+    for flag, path in (("--target", args.target), ("--init", args.init)):
+        if path is not None and not (path / "config.json").is_file():
+            return refuse(f"vllm-specx distill: {flag} {path}: not a model directory (no "
+                          "config.json); allowed: a local Hugging Face model directory")
+    if not args.prompts.is_file():
+        return refuse(f"vllm-specx distill: --prompts {args.prompts}: no such file; allowed: "
+                      "a JSONL prompt file")
+    if args.corpus is not None and not args.corpus.exists():
+        return refuse(f"vllm-specx distill: --corpus {args.corpus}: no such file or "
+                      "directory; allowed: a text file or a directory of text files")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        return refuse(f"vllm-specx distill: --num-prompts {args.num_prompts}: allowed: an "
+                      "integer >= 1")
+    engine_args, error = _engine_args_or_error("distill", args.engine_args)
+    if error:
+        return refuse(error)
+    shape = None
+    if args.draft_config is not None:
+        try:
+            shape = parse_draft_size(args.draft_config)
+        except ValueError as exc:
+            return refuse(f"vllm-specx {exc}")
+    if args.init is not None:
+        try:
+            t_vocab = json.loads((args.target / "config.json").read_text())
+            d_vocab = json.loads((args.init / "config.json").read_text())
+            t_vocab = t_vocab.get("text_config", t_vocab).get("vocab_size")
+            d_vocab = d_vocab.get("text_config", d_vocab).get("vocab_size")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            t_vocab = d_vocab = None
+        if t_vocab != d_vocab:
+            return refuse(f"vllm-specx distill: --init {args.init}: vocabulary {d_vocab} differs "
+                          f"from the target's {t_vocab}; allowed: a drafter with the target's "
+                          "vocabulary")
+    options = DistillOptions(
+        seed=args.seed,
+        temperatures=tuple(args.temperature) if args.temperature else DistillOptions().temperatures,
+        max_tokens=args.max_tokens, chat_template=args.chat_template,
+        heldout_fraction=args.heldout_fraction, seq_len=args.seq_len,
+        pretrain_steps=args.pretrain_steps, pretrain_batch=args.pretrain_batch,
+        pretrain_lr=args.pretrain_lr, finetune_steps=args.finetune_steps,
+        finetune_batch=args.finetune_batch, finetune_lr=args.finetune_lr,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        min_lr_ratio=args.min_lr_ratio, embed_init=args.embed_init,
+        save_dtype=args.save_dtype, threads=args.threads, autocast=args.autocast,
+        max_position_embeddings=args.max_position_embeddings,
+    )
+    try:
+        options.check()
+    except ValueError as exc:
+        return refuse(f"vllm-specx {exc}")
+    if args.init is not None and (args.embed_init != "random"
+                                  or args.max_position_embeddings is not None):
+        return refuse("vllm-specx distill: --embed-init/--max-position-embeddings apply to new "
+                      "drafters only; allowed with --draft-config, not with --init")
+    if args.corpus is None and args.finetune_steps == 0:
+        return refuse("vllm-specx distill: --finetune-steps 0 without --corpus would train "
+                      "nothing; allowed: --finetune-steps >= 1, or a --corpus to pretrain on")
+    work = args.work_dir or default_work_dir(args.output)
+    if args.restart:
+        for name in [f"{s}.done.json" for s in STAGES[:3]] + ["options.json"]:
+            (work / name).unlink(missing_ok=True)
+        (args.output / "REPORT.json").unlink(missing_ok=True)
+    job = DistillJob(
+        target=args.target, prompts=args.prompts, out_dir=args.output, init=args.init,
+        shape=shape, corpus=args.corpus, work_dir=work, max_prompts=args.num_prompts,
+        engine_args=engine_args,
+        command=" ".join(["vllm-specx", *map(shlex.quote, getattr(args, "argv", []))]),
+    )
+    try:
+        distill(job, options, progress=not args.no_progress, stop_after=args.stop_after)
+    except ValueError as exc:
+        # Problems found only once inputs are read (a resumed run with other inputs, a corpus
+        # too small for one window): still one line, no traceback.
+        if str(exc).startswith("distill:"):
+            return refuse(f"vllm-specx {exc}")
+        raise
     return 0

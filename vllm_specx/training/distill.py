@@ -1,0 +1,773 @@
+"""Train a draft model for a target by self-distillation: ``vllm-specx distill``.
+
+Recipe (seed 004, "specialized drafters"): the drafter that decides the speed-up is the one
+trained on what the target itself says. Stages, each resumable (a stage whose completion
+marker exists in the work directory is skipped, so an interrupted run continues where it
+stopped):
+
+``data``
+    The target answers the prompts in the real vLLM engine at every temperature (default
+    0, 0.3, 0.7, 1.0; :func:`~vllm_specx.training.data.generate_responses`, shared with
+    ``train-head``). A seeded fraction of the PROMPTS is held out (all of its responses), for
+    the report only. With ``finetune_steps == 0`` (a raw-text-only drafter, the baseline of
+    seed 004's comparison) only the held-out prompts are answered.
+``pretrain`` (only with a corpus)
+    Language-model training on random windows of raw text (every file of the corpus,
+    tokenized with the target's tokenizer, bos + tokens + eos per file), each window
+    ``bos + seq_len - 1`` tokens, so "bos" means "start of context" as at inference.
+``finetune``
+    Training on the target's continuations of the training prompts (loss on the generated
+    tokens only, prompt tokens are context), then the drafter is written to the output
+    directory: config.json, generation_config.json, model.safetensors and the target's
+    tokenizer files, a Hugging Face directory that ``draft_model``, ``mtad`` and ``adaptive``
+    load as it is.
+``report``
+    ``REPORT.json`` in the output directory, from the SAVED drafter (reloaded as a user
+    would) on the held-out responses, teacher-forced in transformers: agreement of the
+    draft's greedy token with the target's greedy token; greedy block efficiency (tokens per
+    target forward) for K = 1, 2, 4, 8 along the target's greedy continuations; the expected
+    acceptance rate of standard speculative sampling at temperature 1 (``sum_x min(p, q)``);
+    the draft's perplexity on the target's text; plus sizes, times, options and versions.
+
+Both training stages run through :func:`vllm_specx.training.loop.train_loop` (shared with
+``train-head``). Deterministic for a seed on one machine and thread count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_specx.training.data import Response
+
+STAGES = ("data", "pretrain", "finetune", "report")
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+EMBED_INITS = ("random", "target")
+AUTOCAST_MODES = ("auto", "bf16", "off")
+# Files of a Hugging Face tokenizer, copied from the target so the drafter is self-contained.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja",
+)
+CORPUS_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".html", ".c", ".h")
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """A Llama drafter's shape (the vocabulary and token ids come from the target)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+    def label(self) -> str:
+        return f"{self.hidden}x{self.layers}"
+
+
+# Named sizes; "small" is the fixture draft's shape.
+DRAFT_SIZES: dict[str, DraftShape] = {
+    "tiny": DraftShape(hidden=32, layers=1, heads=1, kv_heads=1, intermediate=64),
+    "small": DraftShape(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384),
+    "base": DraftShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
+}
+SIZE_HELP = (
+    "a named size (" + ", ".join(f"{k} = {v.label()}" for k, v in DRAFT_SIZES.items())
+    + ") or HIDDENxLAYERS, e.g. 192x2 (heads of 64, or one head below 64; half as many "
+    "key/value heads; MLP width 3 x hidden)"
+)
+
+
+def parse_draft_size(text: str) -> DraftShape:
+    """A :data:`DRAFT_SIZES` name or ``HIDDENxLAYERS``; ValueError with the allowed forms."""
+    if text in DRAFT_SIZES:
+        return DRAFT_SIZES[text]
+    m = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not m or int(m.group(1)) < 8 or int(m.group(2)) < 1:
+        raise ValueError(f"distill: --draft-config {text!r} is not allowed; allowed: {SIZE_HELP}")
+    hidden, layers = int(m.group(1)), int(m.group(2))
+    head_dim = 64 if hidden % 64 == 0 else hidden
+    heads = hidden // head_dim
+    return DraftShape(hidden=hidden, layers=layers, heads=heads,
+                      kv_heads=max(1, heads // 2), intermediate=3 * hidden)
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """Every knob of ``distill`` (recorded in work/options.json and REPORT.json)."""
+
+    seed: int = 0
+    temperatures: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
+    max_tokens: int = 128
+    chat_template: bool = False
+    heldout_fraction: float = 0.1
+    seq_len: int = 256
+    pretrain_steps: int = 1000
+    pretrain_batch: int = 8
+    pretrain_lr: float = 3e-3
+    finetune_steps: int = 300
+    finetune_batch: int = 16
+    finetune_lr: float = 1.5e-3
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1
+    embed_init: str = "random"
+    save_dtype: str = "float32"
+    threads: int = 1
+    autocast: str = "auto"
+    max_position_embeddings: int | None = None
+
+    def check(self) -> None:
+        """One clear line per bad value, before anything starts."""
+        problems = [
+            ("temperature", list(self.temperatures),
+             bool(self.temperatures) and all(t >= 0 for t in self.temperatures),
+             "one or more numbers >= 0"),
+            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "an integer >= 1"),
+            ("heldout_fraction", self.heldout_fraction, 0 < self.heldout_fraction < 1,
+             "a number in (0, 1)"),
+            ("seq_len", self.seq_len, self.seq_len >= 8, "an integer >= 8"),
+            ("pretrain_steps", self.pretrain_steps, self.pretrain_steps >= 0, "an integer >= 0"),
+            ("pretrain_batch", self.pretrain_batch, self.pretrain_batch >= 1, "an integer >= 1"),
+            ("pretrain_lr", self.pretrain_lr, self.pretrain_lr > 0, "a number > 0"),
+            ("finetune_steps", self.finetune_steps, self.finetune_steps >= 0, "an integer >= 0"),
+            ("finetune_batch", self.finetune_batch, self.finetune_batch >= 1, "an integer >= 1"),
+            ("finetune_lr", self.finetune_lr, self.finetune_lr > 0, "a number > 0"),
+            ("weight_decay", self.weight_decay, self.weight_decay >= 0, "a number >= 0"),
+            ("grad_clip", self.grad_clip, self.grad_clip > 0, "a number > 0"),
+            ("min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1,
+             "a number in [0, 1]"),
+            ("embed_init", self.embed_init, self.embed_init in EMBED_INITS,
+             " or ".join(EMBED_INITS)),
+            ("save_dtype", self.save_dtype, self.save_dtype in SAVE_DTYPES,
+             " or ".join(SAVE_DTYPES)),
+            ("threads", self.threads, self.threads >= 1, "an integer >= 1"),
+            ("autocast", self.autocast, self.autocast in AUTOCAST_MODES,
+             " or ".join(AUTOCAST_MODES)),
+            ("max_position_embeddings", self.max_position_embeddings,
+             self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_len,
+             "an integer >= seq_len"),
+        ]
+        for name, value, ok, allowed in problems:
+            if not ok:
+                raise ValueError(f"distill: {name}={value!r} is not allowed; allowed: {allowed}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers.
+# --------------------------------------------------------------------------------------------
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def default_work_dir(out_dir: Path) -> Path:
+    """``<out>.work`` beside the output, so the output stays a clean model directory."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f"{out_dir.name}.work"
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 present: without them bf16 autocast is emulated and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _write_json(path: Path, data: Any) -> None:
+    # Written to a temporary name and renamed: a run killed mid-write leaves no marker that
+    # looks finished.
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    return cfg.get("text_config", cfg)
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights are counted once
+
+
+def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) prompt indices, each in file order: a seeded choice, at least one
+    held-out prompt and, when n >= 2, at least one training prompt."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = max(1, min(n - 1, round(heldout_fraction * n))) if n >= 2 else n
+    held = sorted(perm[:n_held])
+    return sorted(perm[n_held:]), held
+
+
+# --------------------------------------------------------------------------------------------
+# Models.
+# --------------------------------------------------------------------------------------------
+
+
+def draft_config(target_dir: Path, shape: DraftShape, options: DistillOptions) -> Any:
+    """A LlamaConfig for a drafter of ``shape`` that shares the target's vocabulary, special
+    token ids and rotary base, with tied input/output embeddings (the embedding table is most
+    of a small drafter; tying halves it)."""
+    from transformers import LlamaConfig
+
+    t = _read_config(target_dir)
+    max_pos = options.max_position_embeddings or int(t.get("max_position_embeddings", 2048))
+    rope_theta = t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 1e4)
+    return LlamaConfig(
+        vocab_size=int(t["vocab_size"]),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=True,
+        bos_token_id=t.get("bos_token_id"),
+        eos_token_id=t.get("eos_token_id"),
+        pad_token_id=t.get("pad_token_id"),
+        initializer_range=0.02,
+    )
+
+
+def load_causal_lm(path: str | os.PathLike) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def target_embedding_projection(target_dir: Path, hidden: int) -> torch.Tensor:
+    """The target's input embedding projected on its top ``hidden`` principal directions,
+    rescaled to the target's per-entry spread: tokens the target treats alike start alike,
+    which a from-scratch embedding of a large vocabulary needs many steps to learn."""
+    from safetensors import safe_open
+
+    emb = None
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key.endswith("embed_tokens.weight"):
+                    emb = f.get_tensor(key).float()
+                    break
+        if emb is not None:
+            break
+    if emb is None:
+        raise ValueError(f"distill: --embed-init target: no embed_tokens.weight in {target_dir}")
+    if hidden > emb.shape[1]:
+        raise ValueError(f"distill: --embed-init target: draft width {hidden} exceeds the "
+                         f"target's embedding width {emb.shape[1]}")
+    centered = emb - emb.mean(dim=0, keepdim=True)
+    # Eigenvectors of the (width x width) covariance: exact and cheap next to an SVD of V rows.
+    _, vecs = torch.linalg.eigh(centered.double().T @ centered.double())
+    proj = (centered.double() @ vecs[:, -hidden:].flip(1)).float()
+    return proj * (emb.std() / proj.std().clamp_min(1e-12))
+
+
+def new_draft(target_dir: Path, shape: DraftShape, options: DistillOptions) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(options.seed)
+    model = LlamaForCausalLM(draft_config(target_dir, shape, options)).float()
+    model.config._attn_implementation = "sdpa"
+    if options.embed_init == "target":
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(
+                target_embedding_projection(target_dir, shape.hidden))
+    return model
+
+
+def save_draft(model: nn.Module, out_dir: Path, target_dir: Path, save_dtype: str) -> None:
+    """The drafter as a self-contained Hugging Face directory (weights in ``save_dtype``)."""
+    from transformers import GenerationConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.safetensors*"):
+        stale.unlink()
+    dtype = getattr(torch, save_dtype)
+    original = next(model.parameters()).dtype
+    model.to(dtype)
+    try:
+        model.config.dtype = save_dtype
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        model.to(original)
+    cfg = model.config
+    # Token ids only, no sampling defaults: vLLM applies generation_config.json defaults to
+    # requests, and a drafter must not bring its own.
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                     pad_token_id=cfg.pad_token_id).save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (Path(target_dir) / name).is_file():
+            shutil.copy2(Path(target_dir) / name, out_dir / name)
+
+
+# --------------------------------------------------------------------------------------------
+# Training tensors.
+# --------------------------------------------------------------------------------------------
+
+
+def corpus_files(corpus: Path) -> list[Path]:
+    """Text files of a corpus: the file itself, or every file under a directory with a
+    :data:`CORPUS_SUFFIXES` suffix, sorted by path."""
+    corpus = Path(corpus)
+    if corpus.is_file():
+        return [corpus]
+    return sorted(p for p in corpus.rglob("*")
+                  if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES)
+
+
+def corpus_stream(files: list[Path], tokenizer: Any, bos_id: int, eos_id: int) -> torch.Tensor:
+    """One token stream: bos + tokens + eos per file, files in the given order."""
+    from transformers.utils import logging as hf_logging
+
+    # Whole files are longer than the model's context on purpose (windows are cut later);
+    # the tokenizer's warning about that would only confuse.
+    hf_logging.set_verbosity_error()
+    ids: list[int] = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a file in another encoding: not worth a special case
+        if not text.strip():
+            continue
+        ids.append(bos_id)
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def stream_windows(stream: torch.Tensor, seq_len: int, count: int, seed: int,
+                   bos_id: int) -> torch.Tensor:
+    """``count`` windows ``bos + seq_len - 1`` tokens from seeded random offsets.
+
+    bos opens every window, not just every file: prompts at inference always start with
+    bos and then continue mid-text, so bos has to mean "start of context"."""
+    body = seq_len - 1
+    if stream.numel() <= body:
+        raise ValueError(f"distill: corpus has {stream.numel()} tokens, fewer than one window "
+                         f"of {seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - body, (count,), generator=gen)
+    out = torch.empty((count, seq_len), dtype=torch.int32)
+    out[:, 0] = bos_id
+    for row, s in enumerate(starts.tolist()):
+        out[row, 1:] = stream[s:s + body]
+    return out
+
+
+def response_tensors(responses: list[Response], seq_len: int,
+                     pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` [N, L] int32, right-padded: labels are the response tokens
+    (the prompt is context only, -100) and each row is cut to ``seq_len`` tokens, keeping the
+    end of a long prompt rather than dropping the response."""
+    rows = []
+    for r in responses:
+        if not r.response_ids:
+            continue
+        prompt = r.prompt_ids[-max(1, seq_len // 2):] if len(r.prompt_ids) > seq_len // 2 \
+            else r.prompt_ids
+        ids = (prompt + r.response_ids)[:seq_len]
+        labels = ([-100] * len(prompt) + r.response_ids)[:seq_len]
+        rows.append((ids, labels))
+    if not rows:
+        raise ValueError("distill: the target produced no tokens to train on")
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int32)
+    labels = torch.full((len(rows), width), -100, dtype=torch.int32)
+    for b, (ids, lab) in enumerate(rows):
+        input_ids[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        labels[b, :len(lab)] = torch.tensor(lab, dtype=torch.int32)
+    return input_ids, labels
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Next-token cross-entropy; columns past the batch's last label are cut first (rows are
+    right-padded, so they cost compute and carry no loss)."""
+    ids, labels = batch[0].long(), batch[-1].long()
+    used = (labels != -100).any(dim=0).nonzero()
+    width = int(used.max()) + 1 if used.numel() else ids.shape[1]
+    return model(input_ids=ids[:, :width], labels=labels[:, :width]).loss
+
+
+def train_lm(model: nn.Module, tensors: tuple[torch.Tensor, ...], *, steps: int, batch: int,
+             lr: float, seed: int, options: DistillOptions, desc: str, progress: bool,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    """Language-model training through the shared :func:`~vllm_specx.training.loop.
+    train_loop` (AdamW 0.9/0.95, warm-up, cosine to ``min_lr_ratio``, clipping, no weight
+    decay on norm gains); ``tensors`` end with the labels."""
+    from vllm_specx.training.loop import train_loop
+
+    n = int(tensors[0].shape[0])
+    t0 = time.time()
+    history = train_loop(
+        model, tensors, lm_loss,
+        epochs=math.ceil(steps * batch / n), max_steps=steps, batch_size=batch, lr=lr,
+        seed=seed, weight_decay=options.weight_decay, betas=(0.9, 0.95),
+        grad_clip=options.grad_clip, min_lr_ratio=options.min_lr_ratio, decay_1d=False,
+        autocast_bf16=_autocast_on(options), desc=desc, progress=progress, log=log,
+    )
+    return {
+        "steps": steps, "batch": batch, "peak_lr": lr, "rows": n,
+        "supervised_tokens_per_epoch": int((tensors[-1] != -100).sum()),
+        "final_train_loss": round(history[-1]["train_loss"], 4),
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def _autocast_on(options: DistillOptions) -> bool:
+    if options.autocast == "auto":
+        return cpu_has_native_bf16()
+    return options.autocast == "bf16"
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out report.
+# --------------------------------------------------------------------------------------------
+
+
+def block_efficiency(matches: list[bool], k: int) -> float:
+    """Tokens per target forward of greedy speculative decoding with ``k`` drafts per round,
+    given whether the draft's greedy token equals the target's at each position of the
+    target's greedy continuation (along an accepted prefix the draft sees exactly that
+    prefix, so the teacher-forced matches decide every round)."""
+    t, rounds = 0, 0
+    while t < len(matches):
+        a = 0
+        while a < k and t + a < len(matches) and matches[t + a]:
+            a += 1
+        t += a + 1  # the accepted drafts plus the target's own token
+        rounds += 1
+    return len(matches) / max(1, rounds)
+
+
+@torch.no_grad()
+def heldout_metrics(target: nn.Module, draft: nn.Module, responses: list[Response], *,
+                    batch_size: int = 8, pad_id: int = 0,
+                    progress: bool = True) -> dict[str, Any]:
+    """Teacher-forced comparison of ``draft`` with ``target`` on held-out responses (see the
+    module doc, stage ``report``)."""
+    from tqdm.auto import tqdm
+
+    from vllm_specx.training.head import _pad
+
+    greedy_matches: list[list[bool]] = []
+    agree = positions = 0
+    accept_sum = {}  # temperature -> (sum of sum_x min(p, q), positions)
+    nll, nll_count = 0.0, 0
+    usable = [r for r in responses if r.response_ids]
+    bar = tqdm(total=len(usable), desc="report", disable=not progress, unit="resp")
+    for start in range(0, len(usable), batch_size):
+        chunk = usable[start:start + batch_size]
+        ids, mask = _pad([r.prompt_ids + r.response_ids for r in chunk], pad_id)
+        p_logits = target(input_ids=ids, attention_mask=mask).logits.float()
+        q_logits = draft(input_ids=ids, attention_mask=mask).logits.float()
+        for b, r in enumerate(chunk):
+            n_p, n_r = len(r.prompt_ids), len(r.response_ids)
+            sl = slice(n_p - 1, n_p - 1 + n_r)  # positions that predict the response
+            p_l, q_l = p_logits[b, sl], q_logits[b, sl]
+            match = (p_l.argmax(-1) == q_l.argmax(-1))
+            agree += int(match.sum())
+            positions += n_r
+            if r.temperature == 0.0:
+                greedy_matches.append(match.tolist())
+            p, q = torch.softmax(p_l, -1), torch.softmax(q_l, -1)
+            s, c = accept_sum.get(r.temperature, (0.0, 0))
+            accept_sum[r.temperature] = (s + float(torch.minimum(p, q).sum()), c + n_r)
+            target_ids = torch.tensor(r.response_ids)
+            nll += float(torch.nn.functional.cross_entropy(q_l, target_ids, reduction="sum"))
+            nll_count += n_r
+        bar.update(len(chunk))
+    bar.close()
+    greedy_positions = sum(len(m) for m in greedy_matches)
+    all_accept = sum(s for s, _ in accept_sum.values()) / max(1, positions)
+    return {
+        "responses": len(usable),
+        "positions": positions,
+        "greedy_agreement": round(agree / max(1, positions), 4),
+        "greedy_agreement_on_greedy_continuations": round(
+            sum(sum(m) for m in greedy_matches) / max(1, greedy_positions), 4),
+        "greedy_block_efficiency": {
+            f"k={k}": round(sum(block_efficiency(m, k) * len(m) for m in greedy_matches)
+                            / max(1, greedy_positions), 4)
+            for k in (1, 2, 4, 8)
+        },
+        "expected_acceptance_t1": round(all_accept, 4),
+        "expected_acceptance_t1_by_response_temperature": {
+            str(t): round(s / max(1, c), 4) for t, (s, c) in sorted(accept_sum.items())},
+        "draft_perplexity_on_target_text": round(math.exp(nll / max(1, nll_count)), 3),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistillJob:
+    """What one ``distill`` run is asked to do (the inputs besides the options)."""
+
+    target: Path
+    prompts: Path
+    out_dir: Path
+    init: Path | None = None
+    shape: DraftShape | None = None
+    corpus: Path | None = None
+    work_dir: Path | None = None
+    max_prompts: int | None = None
+    engine_args: dict[str, Any] | None = None
+    command: str = ""
+
+    @property
+    def work(self) -> Path:
+        return Path(self.work_dir) if self.work_dir else default_work_dir(self.out_dir)
+
+
+def _fingerprint(job: DistillJob, options: DistillOptions) -> dict[str, Any]:
+    """Everything a finished stage depends on; a resumed run must match it."""
+    from vllm_specx.training.data import model_summary, sha256_of_files
+
+    return {
+        "target": model_summary(job.target).get("weights_sha256"),
+        "prompts_sha256": sha256_of_files([job.prompts]),
+        "max_prompts": job.max_prompts,
+        "init": model_summary(job.init).get("weights_sha256") if job.init else None,
+        "shape": dataclasses.asdict(job.shape) if job.shape else None,
+        "corpus": str(job.corpus) if job.corpus else None,
+        "options": options.to_json(),
+    }
+
+
+def _stage_done(marker: Path) -> dict[str, Any] | None:
+    return json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else None
+
+
+def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
+            progress: bool = True, log: Callable[[str], None] = _log,
+            stop_after: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the pipeline of the module doc; returns the REPORT.json content (or,
+    with ``stop_after``, the markers of the stages run so far)."""
+    from vllm_specx.training.data import generate_responses, model_summary, read_prompt_file
+
+    options.check()
+    t_start = time.time()
+    torch.set_num_threads(options.threads)  # before the engine: vLLM pins it afterwards
+    work, out = job.work, Path(job.out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    fingerprint = _fingerprint(job, options)
+    fp_file = work / "options.json"
+    if fp_file.is_file():
+        old = json.loads(fp_file.read_text(encoding="utf-8"))
+        changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
+        if changed:
+            raise ValueError(
+                f"distill: work directory {work} holds stages of a run with other inputs "
+                f"({', '.join(changed)} differ); allowed: the same inputs to resume, or a new "
+                "-o / --work-dir (or --restart) to start over")
+    _write_json(fp_file, fingerprint)
+    markers = {s: work / f"{s}.done.json" for s in STAGES[:3]}
+    markers["report"] = out / "REPORT.json"
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(str(job.target))
+    tcfg = _read_config(job.target)
+    eos_id = tcfg.get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    bos_id = tcfg.get("bos_token_id")
+    bos_id = bos_id if bos_id is not None else (tok.bos_token_id if tok.bos_token_id
+                                                  is not None else eos_id)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id or 0)
+
+    # ---- data --------------------------------------------------------------------------
+    data_file = work / "data.pt"
+    info = _stage_done(markers["data"])
+    if info is not None:
+        log(f"distill: stage data done before ({info['responses']} responses), skipped")
+    else:
+        t0 = time.time()
+        prompts = read_prompt_file(job.prompts)
+        if job.max_prompts is not None:
+            prompts = prompts[:job.max_prompts]
+        if options.chat_template:
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        train_idx, held_idx = split_prompts(len(prompts), options.heldout_fraction, options.seed)
+        if options.finetune_steps == 0:
+            train_idx = []  # a raw-text-only drafter needs only the held-out answers
+        # Held-out prompts first: their requests get the same seeds whether or not the
+        # training prompts are answered too, so a distilled drafter and its raw-text-only
+        # baseline are reported on identical held-out responses.
+        order = held_idx + train_idx
+        log(f"distill: data: {len(order)} prompts ({len(held_idx)} held out) x temperatures "
+            f"{list(options.temperatures)}, max_tokens {options.max_tokens}, target {job.target}")
+        responses = generate_responses(
+            job.target, [prompts[i] for i in order], temperatures=list(options.temperatures),
+            max_tokens=options.max_tokens, seed=options.seed,
+            engine_args={"torch_threads": options.threads, **(job.engine_args or {})},
+        )
+        n_held = len(held_idx) * len(options.temperatures)
+        as_rows = [dataclasses.asdict(r) for r in responses]
+        torch.save({"train": as_rows[n_held:], "heldout": as_rows[:n_held]}, data_file)
+        info = {
+            "seconds": round(time.time() - t0, 1),
+            "prompts": len(prompts), "train_prompts": len(train_idx),
+            "heldout_prompts": len(held_idx), "responses": len(responses),
+            "train_tokens": sum(len(r.response_ids) for r in responses[n_held:]),
+            "heldout_tokens": sum(len(r.response_ids) for r in responses[:n_held]),
+        }
+        _write_json(markers["data"], info)
+        log(f"distill: data: {json.dumps(info)}")
+    if stop_after == "data":
+        return {"data": info}
+    data = torch.load(data_file)
+    train_responses = [Response(**r) for r in data["train"]]
+    heldout_responses = [Response(**r) for r in data["heldout"]]
+
+    # ---- pretrain ----------------------------------------------------------------------
+    pre_dir = work / "pretrain"
+    if job.corpus is not None and options.pretrain_steps > 0:
+        info = _stage_done(markers["pretrain"])
+        if info is not None:
+            log(f"distill: stage pretrain done before ({info['steps']} steps), skipped")
+        else:
+            t0 = time.time()
+            files = corpus_files(job.corpus)
+            stream = corpus_stream(files, tok, bos_id, eos_id)
+            windows = stream_windows(stream, options.seq_len,
+                                     options.pretrain_steps * options.pretrain_batch,
+                                     options.seed + 1, bos_id)
+            model = _start_model(job, options)
+            log(f"distill: pretrain: {param_count(model):,} parameters on {len(files)} corpus "
+                f"files, {stream.numel():,} tokens")
+            info = train_lm(model, (windows, windows), steps=options.pretrain_steps,
+                            batch=options.pretrain_batch, lr=options.pretrain_lr,
+                            seed=options.seed + 2, options=options, desc="pretrain",
+                            progress=progress, log=log)
+            info.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
+                        seconds=round(time.time() - t0, 1))
+            # Kept in float32: the next stage continues from it.
+            save_draft(model, pre_dir, job.target, "float32")
+            _write_json(markers["pretrain"], info)
+    if stop_after == "pretrain":
+        return {"pretrain": _stage_done(markers["pretrain"])}
+
+    # ---- finetune (and save) -----------------------------------------------------------
+    info = _stage_done(markers["finetune"])
+    if info is not None and not (out / "config.json").is_file():
+        info = None  # the marker of another output directory: save this one
+    if info is not None:
+        log(f"distill: stage finetune done before ({info.get('steps', 0)} steps), skipped")
+    else:
+        t0 = time.time()
+        if _stage_done(markers["pretrain"]) is not None:
+            model = load_causal_lm(pre_dir)
+        else:
+            model = _start_model(job, options)
+        if options.finetune_steps > 0:
+            ids, labels = response_tensors(train_responses, options.seq_len, pad_id)
+            info = train_lm(model, (ids, labels), steps=options.finetune_steps,
+                            batch=options.finetune_batch, lr=options.finetune_lr,
+                            seed=options.seed + 3, options=options, desc="finetune",
+                            progress=progress, log=log)
+        else:
+            info = {"steps": 0}
+        save_draft(model, out, job.target, options.save_dtype)
+        info["seconds"] = round(time.time() - t0, 1)
+        _write_json(markers["finetune"], info)
+        log(f"distill: drafter written to {out}")
+    if stop_after == "finetune":
+        return {"finetune": info}
+
+    # ---- report ------------------------------------------------------------------------
+    report = _stage_done(markers["report"])
+    if report is not None:
+        log(f"distill: stage report done before ({markers['report']}), skipped")
+        return report
+    t0 = time.time()
+    target_model = load_causal_lm(job.target)
+    draft_model = load_causal_lm(out)
+    heldout = heldout_metrics(target_model, draft_model, heldout_responses, pad_id=pad_id,
+                              progress=progress)
+    del target_model
+    weights = sorted(out.glob("*.safetensors"))
+    stages = {s: _stage_done(markers[s]) for s in STAGES[:3]}
+    report = {
+        "description": "drafter trained by vllm-specx distill (seed 004: self-distillation "
+        "from the target at several temperatures, optional raw-text pretraining)",
+        "command": job.command,
+        "target": model_summary(job.target),
+        "draft": {
+            **model_summary(out),
+            "params": param_count(draft_model),
+            "shape": dataclasses.asdict(job.shape) if job.shape else None,
+            "init": str(job.init) if job.init else None,
+            "saved_dtype": options.save_dtype,
+            "safetensors_bytes": sum(f.stat().st_size for f in weights),
+            "dir_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
+        },
+        "options": options.to_json(),
+        "stages": stages,
+        "training_seconds": round(sum((stages[s] or {}).get("seconds", 0.0)
+                                      for s in ("pretrain", "finetune")), 1),
+        "heldout": heldout,
+        "heldout_definition": (
+            "held-out prompts (a seeded fraction, never trained on) answered by the target in "
+            "vLLM at every temperature; the draft and target teacher-forced on those answers in "
+            "transformers. greedy_agreement: draft argmax == target argmax over all positions; "
+            "greedy_block_efficiency: tokens per target forward of greedy speculation with k "
+            "drafts, on the temperature-0 answers; expected_acceptance_t1: mean sum_x min(p, q) "
+            "(standard speculative sampling at temperature 1)"),
+        "versions": _versions(options),
+        "report_seconds": round(time.time() - t0, 1),
+        "total_seconds_this_run": round(time.time() - t_start, 1),
+    }
+    _write_json(markers["report"], report)
+    log(f"distill: held-out {json.dumps(heldout)}")
+    return report
+
+
+def _start_model(job: DistillJob, options: DistillOptions) -> nn.Module:
+    if job.init is not None:
+        return load_causal_lm(job.init)
+    assert job.shape is not None
+    return new_draft(job.target, job.shape, options)
+
+
+def _versions(options: DistillOptions) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "platform": platform.platform(),
+        "torch_threads": options.threads, "autocast_bf16": _autocast_on(options),
+    }
