@@ -550,30 +550,78 @@ class DistillJob:
         return Path(self.work_dir) if self.work_dir else default_work_dir(self.out_dir)
 
 
-def _fingerprint(job: DistillJob, options: DistillOptions) -> dict[str, Any]:
-    """Everything a finished stage depends on; a resumed run must match it."""
+def stage_inputs(job: DistillJob, options: DistillOptions) -> dict[str, dict[str, Any]]:
+    """Per stage, everything its output depends on (including the stages it reads). A stage
+    is done when its marker records exactly these inputs; a stage whose inputs changed runs
+    again (and so do the stages after it), so one work directory can try several training
+    recipes on the same generated data."""
     from vllm_specx.training.data import model_summary, sha256_of_files
 
-    return {
+    o = options
+    data = {
         "target": model_summary(job.target).get("weights_sha256"),
-        "prompts_sha256": sha256_of_files([job.prompts]),
-        "max_prompts": job.max_prompts,
+        "prompts_sha256": sha256_of_files([job.prompts]), "max_prompts": job.max_prompts,
+        "seed": o.seed, "temperatures": list(o.temperatures), "max_tokens": o.max_tokens,
+        "chat_template": o.chat_template, "heldout_fraction": o.heldout_fraction,
+        "train_prompts_answered": o.finetune_steps > 0,
+    }
+    start = {
+        "target": data["target"], "seed": o.seed,
         "init": model_summary(job.init).get("weights_sha256") if job.init else None,
         "shape": dataclasses.asdict(job.shape) if job.shape else None,
-        "corpus": str(job.corpus) if job.corpus else None,
-        "options": options.to_json(),
+        "embed_init": o.embed_init, "max_position_embeddings": o.max_position_embeddings,
     }
+    common = {"seq_len": o.seq_len, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
+              "min_lr_ratio": o.min_lr_ratio, "threads": o.threads, "autocast": o.autocast}
+    pretrain = {
+        **start, **common,
+        "corpus": str(job.corpus) if job.corpus else None,
+        "corpus_files": _corpus_digest(job.corpus) if job.corpus else None,
+        "steps": o.pretrain_steps if job.corpus else 0, "batch": o.pretrain_batch,
+        "lr": o.pretrain_lr,
+    }
+    finetune = {
+        "data": data, "pretrain": pretrain if pretrain["steps"] else None, **start, **common,
+        "steps": o.finetune_steps, "batch": o.finetune_batch, "lr": o.finetune_lr,
+        "save_dtype": o.save_dtype, "output": str(job.out_dir),
+    }
+    return {"data": data, "pretrain": pretrain, "finetune": finetune,
+            "report": {"finetune": finetune}}
 
 
-def _stage_done(marker: Path) -> dict[str, Any] | None:
-    return json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else None
+def _corpus_digest(corpus: Path) -> str:
+    """A digest of the corpus file list with sizes and modification times (cheap; a
+    changed file means new windows)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for f in corpus_files(corpus):
+        st = f.stat()
+        digest.update(f"{f}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+    return digest.hexdigest()
+
+
+def _stage_done(marker: Path, inputs: dict[str, Any] | None = None,
+                log: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """The marker's record if the stage finished with these ``inputs`` (any, when None)."""
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text(encoding="utf-8"))
+    if inputs is not None and info.get("inputs") != inputs:
+        if log is not None:
+            old = info.get("inputs") or {}
+            changed = sorted(k for k in set(old) | set(inputs) if old.get(k) != inputs.get(k))
+            log(f"distill: {marker.name}: inputs changed ({', '.join(changed)}): running the "
+                "stage again")
+        return None
+    return info
 
 
 def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
             progress: bool = True, log: Callable[[str], None] = _log,
             stop_after: str | None = None) -> dict[str, Any]:
     """Run (or resume) the pipeline of the module doc; returns the REPORT.json content (or,
-    with ``stop_after``, the markers of the stages run so far)."""
+    with ``stop_after``, the record of that stage)."""
     from vllm_specx.training.data import generate_responses, model_summary, read_prompt_file
 
     options.check()
@@ -581,19 +629,15 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
     torch.set_num_threads(options.threads)  # before the engine: vLLM pins it afterwards
     work, out = job.work, Path(job.out_dir)
     work.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(job, options)
-    fp_file = work / "options.json"
-    if fp_file.is_file():
-        old = json.loads(fp_file.read_text(encoding="utf-8"))
-        changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
-        if changed:
-            raise ValueError(
-                f"distill: work directory {work} holds stages of a run with other inputs "
-                f"({', '.join(changed)} differ); allowed: the same inputs to resume, or a new "
-                "-o / --work-dir (or --restart) to start over")
-    _write_json(fp_file, fingerprint)
+    inputs = stage_inputs(job, options)
     markers = {s: work / f"{s}.done.json" for s in STAGES[:3]}
     markers["report"] = out / "REPORT.json"
+
+    def done(stage: str) -> dict[str, Any] | None:
+        return _stage_done(markers[stage], inputs[stage], log)
+
+    def finish(stage: str, info: dict[str, Any]) -> None:
+        _write_json(markers[stage], {**info, "inputs": inputs[stage]})
 
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -610,7 +654,7 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
 
     # ---- data --------------------------------------------------------------------------
     data_file = work / "data.pt"
-    info = _stage_done(markers["data"])
+    info = done("data")
     if info is not None:
         log(f"distill: stage data done before ({info['responses']} responses), skipped")
     else:
@@ -645,22 +689,24 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
             "train_tokens": sum(len(r.response_ids) for r in responses[n_held:]),
             "heldout_tokens": sum(len(r.response_ids) for r in responses[:n_held]),
         }
-        _write_json(markers["data"], info)
+        finish("data", info)
         log(f"distill: data: {json.dumps(info)}")
     if stop_after == "data":
-        return {"data": info}
+        return info
     data = torch.load(data_file)
     train_responses = [Response(**r) for r in data["train"]]
     heldout_responses = [Response(**r) for r in data["heldout"]]
 
     # ---- pretrain ----------------------------------------------------------------------
     pre_dir = work / "pretrain"
-    if job.corpus is not None and options.pretrain_steps > 0:
-        info = _stage_done(markers["pretrain"])
-        if info is not None:
-            log(f"distill: stage pretrain done before ({info['steps']} steps), skipped")
+    pretrained = None
+    if inputs["pretrain"]["steps"] > 0:
+        pretrained = done("pretrain")
+        if pretrained is not None:
+            log(f"distill: stage pretrain done before ({pretrained['steps']} steps), skipped")
         else:
             t0 = time.time()
+            assert job.corpus is not None
             files = corpus_files(job.corpus)
             stream = corpus_stream(files, tok, bos_id, eos_id)
             windows = stream_windows(stream, options.seq_len,
@@ -669,30 +715,27 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
             model = _start_model(job, options)
             log(f"distill: pretrain: {param_count(model):,} parameters on {len(files)} corpus "
                 f"files, {stream.numel():,} tokens")
-            info = train_lm(model, (windows, windows), steps=options.pretrain_steps,
-                            batch=options.pretrain_batch, lr=options.pretrain_lr,
-                            seed=options.seed + 2, options=options, desc="pretrain",
-                            progress=progress, log=log)
-            info.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
-                        seconds=round(time.time() - t0, 1))
+            pretrained = train_lm(model, (windows, windows), steps=options.pretrain_steps,
+                                  batch=options.pretrain_batch, lr=options.pretrain_lr,
+                                  seed=options.seed + 2, options=options, desc="pretrain",
+                                  progress=progress, log=log)
+            pretrained.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
+                              seconds=round(time.time() - t0, 1))
             # Kept in float32: the next stage continues from it.
             save_draft(model, pre_dir, job.target, "float32")
-            _write_json(markers["pretrain"], info)
+            finish("pretrain", pretrained)
     if stop_after == "pretrain":
-        return {"pretrain": _stage_done(markers["pretrain"])}
+        return pretrained or {}
 
     # ---- finetune (and save) -----------------------------------------------------------
-    info = _stage_done(markers["finetune"])
+    info = done("finetune")
     if info is not None and not (out / "config.json").is_file():
-        info = None  # the marker of another output directory: save this one
+        info = None  # the output directory was removed since: save it again
     if info is not None:
         log(f"distill: stage finetune done before ({info.get('steps', 0)} steps), skipped")
     else:
         t0 = time.time()
-        if _stage_done(markers["pretrain"]) is not None:
-            model = load_causal_lm(pre_dir)
-        else:
-            model = _start_model(job, options)
+        model = load_causal_lm(pre_dir) if pretrained is not None else _start_model(job, options)
         if options.finetune_steps > 0:
             ids, labels = response_tensors(train_responses, options.seq_len, pad_id)
             info = train_lm(model, (ids, labels), steps=options.finetune_steps,
@@ -703,13 +746,13 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
             info = {"steps": 0}
         save_draft(model, out, job.target, options.save_dtype)
         info["seconds"] = round(time.time() - t0, 1)
-        _write_json(markers["finetune"], info)
+        finish("finetune", info)
         log(f"distill: drafter written to {out}")
     if stop_after == "finetune":
-        return {"finetune": info}
+        return info
 
     # ---- report ------------------------------------------------------------------------
-    report = _stage_done(markers["report"])
+    report = done("report")
     if report is not None:
         log(f"distill: stage report done before ({markers['report']}), skipped")
         return report
@@ -721,6 +764,11 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
     del target_model
     weights = sorted(out.glob("*.safetensors"))
     stages = {s: _stage_done(markers[s]) for s in STAGES[:3]}
+    for record in stages.values():
+        if record:
+            record.pop("inputs", None)
+    if inputs["pretrain"]["steps"] == 0:
+        stages["pretrain"] = None
     report = {
         "description": "drafter trained by vllm-specx distill (seed 004: self-distillation "
         "from the target at several temperatures, optional raw-text pretraining)",
@@ -751,7 +799,10 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
         "report_seconds": round(time.time() - t0, 1),
         "total_seconds_this_run": round(time.time() - t_start, 1),
     }
-    _write_json(markers["report"], report)
+    # The paths of this machine stay out of a report meant to be committed.
+    for section in ("target", "draft"):
+        report[section].pop("path", None)
+    finish("report", report)
     log(f"distill: held-out {json.dumps(heldout)}")
     return report
 
