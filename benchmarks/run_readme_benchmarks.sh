@@ -3,6 +3,8 @@
 # Usage: bash benchmarks/run_readme_benchmarks.sh [OUT_DIR]   (default: bench-out/readme)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+# These tables are the fixture pair's (`vllm-specx bench` defaults to the real pair).
+export VLLM_SPECX_BENCH_PAIR=fixture
 OUT="$(realpath -m "${1:-bench-out/readme}")"
 mkdir -p "$OUT"
 DM='{"method":"draft_model","num_speculative_tokens":%s,"name":"draft_model K=%s"}'

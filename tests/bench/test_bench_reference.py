@@ -90,7 +90,7 @@ def test_greedy_draft_model_matches_the_reference_loop(tmp_path: Path):
     target, draft, prompts = _fixture_pair()
     out = tmp_path / "r.json"
     rc = main([
-        "bench", "--temperature", "0", "--num-prompts", str(NUM_PROMPTS),
+        "bench", "--pair", "fixture", "--temperature", "0", "--num-prompts", str(NUM_PROMPTS),
         "--max-tokens", str(MAX_TOKENS), "--no-plots", "--output", str(out),
         "--config", json.dumps({"method": "draft_model", "num_speculative_tokens": K}),
     ])

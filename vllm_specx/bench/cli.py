@@ -1,6 +1,7 @@
 """``vllm-specx bench``: the command line of the benchmark.
 
-    vllm-specx bench                                   # fixture pair, default configs
+    vllm-specx bench                                   # real pair (SmolLM2-135M), default configs
+    vllm-specx bench --pair fixture                    # the tests' tiny fixture pair
     vllm-specx bench --config '{"method": "mtad", "num_beams": 8, "name": "mtad B=8"}'
     vllm-specx bench --target T --draft D --prompts p.jsonl --max-tokens 128 -o out/r.json
 """
@@ -18,6 +19,12 @@ DEFAULT_OUTPUT = Path("bench-out") / "report.json"
 DEFAULT_NUM_PROMPTS = 8
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_K = 4
+PAIRS = ("real", "fixture")
+# The pair used without --target; scripts that reproduce the fixture tables export "fixture".
+PAIR_ENV = "VLLM_SPECX_BENCH_PAIR"
+# The real target's KV cache per token is ~45 KiB (30 layers): 64 MiB would not hold 8
+# chat prompts with their continuations, so the real pair's engines get more by default.
+REAL_PAIR_ENGINE_DEFAULTS = {"kv_cache_memory_bytes": 256 << 20}
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,10 +37,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
             "and once per speculative configuration, over a prompt set; report verification "
             "and discard rates, block efficiency, acceptance, padding, perplexity, wall clock "
             "and the projected speed-up from measured per-forward costs (SpecDec++ eq. 2.3). "
-            "Writes a JSON report, a markdown table and PNG plots. The defaults (fixture "
-            f"pair, {DEFAULT_NUM_PROMPTS} held-out prompts x {DEFAULT_MAX_TOKENS} tokens, "
-            "ngram and draft_model with K=4 plus the available specx methods) take a few "
-            "minutes on a laptop CPU."
+            "Writes a JSON report, a markdown table and PNG plots. The defaults (the real "
+            "pair: SmolLM2-135M-Instruct, fetched and converted once by `vllm-specx "
+            "fetch-target`, with the drafter shipped in the package; "
+            f"{DEFAULT_NUM_PROMPTS} held-out prompts x {DEFAULT_MAX_TOKENS} tokens, "
+            "ngram and draft_model with K=4 plus the available specx methods) take several "
+            "minutes on a laptop CPU; --pair fixture runs the tests' tiny pair in a few."
         ),
     )
     p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUTPUT,
@@ -46,7 +55,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "ngram). Replaces the default configurations; the baseline always runs")
     p.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                    help="prompt file: one JSON string or {\"prompt\": ...} object per line "
-                   "(default: the fixture pair's held-out prompts)")
+                   "(default: the pair's held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"use the first N prompts (default: {DEFAULT_NUM_PROMPTS} held-out "
                    "prompts, or every prompt of --prompts)")
@@ -63,10 +72,15 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "--engine-args sets one (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-tokens tokens (equal lengths across configs)")
+    p.add_argument("--pair", choices=PAIRS, default=None,
+                   help="the target/draft pair and held-out prompts used where --target, "
+                   "--draft, --prompts are not given: real = SmolLM2-135M-Instruct (converted "
+                   "once into the user's cache) and its shipped drafter, fixture = the tiny "
+                   f"pair of the tests (default: ${PAIR_ENV}, else real)")
     p.add_argument("--target", type=Path, default=None,
-                   help="target model directory (default: the fixture target)")
+                   help="target model directory (default: the --pair target)")
     p.add_argument("--draft", type=Path, default=None,
-                   help="default draft model directory (default: the fixture draft)")
+                   help="default draft model directory (default: the --pair draft)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
                    help="K of the default configurations, ignored with --config "
                    "(default: %(default)s)")
@@ -139,6 +153,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not isinstance(engine_overrides, dict):
         return _fail("--engine-args must be a JSON object")
     engine_overrides.setdefault("seed", args.seed)
+    pair = args.pair or os.environ.get(PAIR_ENV) or "real"
+    if pair not in PAIRS:
+        return _fail(f"{PAIR_ENV}={pair!r} is not a pair; allowed: {', '.join(PAIRS)}")
 
     try:
         parsed = [parse_config_arg(text) for text in (args.config or [])]
@@ -148,7 +165,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         parsed = [(None, cfg) for cfg in default_configs(args.num_speculative_tokens)]
 
     target, draft = args.target, args.draft
-    if target is None or (draft is None and _any_needs_draft(parsed)):
+    needs_draft = draft is None and _any_needs_draft(parsed)
+    if pair == "real" and (target is None or needs_draft):
+        from vllm_specx import real_pair
+
+        try:
+            # The drafter first: it is a quick check, the target may mean a download.
+            draft = draft or (real_pair.draft_dir() if needs_draft else None)
+            target = target or real_pair.ensure_target(log=_log)
+        except real_pair.RealPairError as exc:
+            return _fail(f"{exc} (or pass --pair fixture)")
+        for key, value in REAL_PAIR_ENGINE_DEFAULTS.items():
+            engine_overrides.setdefault(key, value)
+    elif target is None or needs_draft:
         from vllm_specx.fixtures import fixture_model_dirs
 
         try:
@@ -161,6 +190,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         if args.prompts is not None:
             prompt_set = read_jsonl(args.prompts, args.num_prompts)
+        elif pair == "real":
+            from vllm_specx.real_pair import HELDOUT_PROMPTS
+
+            prompt_set = read_jsonl(HELDOUT_PROMPTS, args.num_prompts or DEFAULT_NUM_PROMPTS)
         else:
             prompt_set = default_prompts(args.num_prompts or DEFAULT_NUM_PROMPTS)
         configs = [with_default_draft(cfg, str(draft) if draft else None) for _, cfg in parsed]
