@@ -16,13 +16,19 @@ Pipeline (each step is a ``--stage``; later stages read what earlier ones left b
     ``def``/``class`` line of held-out files, so later users do not depend on their own Python).
 ``target``
     Train ``LlamaForCausalLM`` (4 layers, hidden 256, GQA 4/2 heads of 64) from scratch on
-    random 256-token windows of the train stream.
+    random 256-token windows of the train stream, with ``vllm-specx distill``'s window sampler
+    and training loop (``vllm_specx.training``: one training code path for every model).
 ``distill``
-    Self-distillation data as in seed 004, in miniature: the target continues the same train
-    prompts at temperatures 0, 0.3, 0.7 and 1.0 (pure temperature sampling, no top-k/top-p).
+    Self-distillation data as in seed 004, in miniature, by ``vllm-specx distill --stop-after
+    data`` (the command users run): the target answers snippets of TRAIN files (stdlib
+    references in the work dir, chosen like the head's) in vLLM at temperatures 0, 0.3, 0.7
+    and 1.0 (pure temperature sampling, no top-k/top-p).
 ``draft``
-    Pretrain a 2-layer, hidden-128 Llama draft on raw text (a few minutes), then finetune it
-    on the distilled continuations (loss on the generated tokens only).
+    The rest of the same ``vllm-specx distill`` command: pretrain a 2-layer, hidden-128 Llama
+    draft (size ``small``) on the train files (linked into the work dir as its ``--corpus``),
+    then finetune it on the target's answers (loss on the generated tokens only). distill's
+    stages are resumable: a rerun reuses the data and a pretrained draft whose inputs did not
+    change. Its held-out report lands in ``REPORT.json`` (``stages.draft.distill_heldout``).
 ``head``
     Train the SpecDec++ acceptance head for the pair with ``vllm-specx train-head`` (the same
     command users run): training prompts are snippets of TRAIN files chosen the way the
@@ -62,7 +68,7 @@ CPUs without native bf16 train in plain float32 (``--autocast auto``): same reci
 Usage::
 
     .venv/bin/python scripts/build_fixture_models.py                 # everything
-    .venv/bin/python scripts/build_fixture_models.py --stage draft --stage report
+    .venv/bin/python scripts/build_fixture_models.py --stage distill --stage draft --stage report
     .venv/bin/python scripts/build_fixture_models.py --quick --out /tmp/fx
 """
 
@@ -137,9 +143,7 @@ class BuildConfig:
     draft_pretrain_batch: int = 8
     draft_pretrain_lr: float = 3e-3
     distill_prompts: int = 384  # per temperature; the same prompts at every temperature
-    distill_prompt_len: int = 32  # tokens, bos included
     distill_new_tokens: int = 96
-    distill_batch: int = 128
     distill_temperatures: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
     draft_finetune_steps: int = 300
     draft_finetune_batch: int = 32
@@ -173,9 +177,7 @@ QUICK = BuildConfig(
     draft_pretrain_steps=6,
     draft_pretrain_batch=8,
     distill_prompts=8,
-    distill_prompt_len=12,
     distill_new_tokens=12,
-    distill_batch=8,
     draft_finetune_steps=8,
     draft_finetune_batch=8,
     eval_windows=8,
@@ -237,10 +239,6 @@ class Paths:
         return self.out / "draft"
 
     @property
-    def draft_pretrain(self) -> Path:
-        return self.work / "draft_pretrain"
-
-    @property
     def report(self) -> Path:
         return self.out / "REPORT.json"
 
@@ -251,6 +249,12 @@ class Paths:
     @property
     def head(self) -> Path:
         return self.out / "head"
+
+
+def shown(path: Path) -> str:
+    # Relative to the working directory when inside it: commands recorded in committed files
+    # (the head's config.json, REPORT.json) should not carry this machine's absolute paths.
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def load_report(paths: Paths) -> dict[str, Any]:
@@ -517,89 +521,15 @@ def param_count(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())  # tied weights are counted once
 
 
-def train_loop(
-    model: Any,
-    next_batch: Any,
-    steps: int,
-    lr: float,
-    cfg: BuildConfig,
-    label: str,
-) -> dict[str, Any]:
-    """AdamW with linear warm-up and cosine decay to 10% of the peak rate."""
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norm gains
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0},
-        ],
-        lr=lr,
-        betas=(0.9, 0.95),
+def distill_options(cfg: BuildConfig) -> Any:
+    """The training knobs shared by every model of the build, as ``vllm-specx distill``
+    takes them (its training code trains the target too: one training code path)."""
+    from vllm_specx.training.distill import DistillOptions
+
+    return DistillOptions(
+        seed=cfg.seed, weight_decay=cfg.weight_decay, grad_clip=1.0, min_lr_ratio=0.1,
+        threads=cfg.threads, autocast=cfg.autocast, seq_len=cfg.seq_len,
     )
-    warmup = max(1, int(cfg.warmup_frac * steps))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    model.train()
-    t0 = time.time()
-    tokens, ema, losses = 0, None, []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        input_ids, labels = next_batch(step)
-        # Mixed precision only for the matmuls (weights, grads and optimizer state stay fp32,
-        # and the saved models are fp32); on CPUs with AMX/AVX512-BF16 this is ~1.7x faster.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-            loss = model(input_ids=input_ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        value = float(loss.detach())
-        losses.append(value)
-        ema = value if ema is None else 0.95 * ema + 0.05 * value
-        tokens += int((labels != -100).sum())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
-            dt = time.time() - t0
-            log(
-                f"{label} step {step + 1}/{steps} loss {value:.3f} (ema {ema:.3f}) "
-                f"lr {lr_at(step):.2e} {tokens / dt:.0f} tok/s {dt:.0f}s"
-            )
-    model.eval()
-    tail = losses[-max(1, steps // 10) :]
-    return {
-        "steps": steps,
-        "peak_lr": lr,
-        "trained_tokens": tokens,
-        "final_loss": round(sum(tail) / len(tail), 4),
-        "autocast": cfg.autocast,
-        "threads": cfg.threads,
-        "seconds": round(time.time() - t0, 1),
-    }
-
-
-def window_sampler(stream: torch.Tensor, seq_len: int, batch: int, seed: int) -> Any:
-    """Random windows of the token stream, each bos + (seq_len - 1) tokens.
-
-    bos opens every window, not just every file: prompts at inference (vLLM, the tokenizer)
-    always start with bos and then usually continue mid-file, so bos has to mean "start of
-    context". Trained only at file starts, the first models answered every prompt with the
-    comment banner that opens a file.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    stream = stream.long()
-    bos = torch.zeros(1, dtype=torch.long)
-
-    def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, stream.numel() - seq_len, (batch,), generator=gen)
-        x = torch.stack([torch.cat([bos, stream[s : s + seq_len - 1]]) for s in starts.tolist()])
-        return x, x
-
-    return next_batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,13 +538,21 @@ def window_sampler(stream: torch.Tensor, seq_len: int, batch: int, seed: int) ->
 
 
 def stage_target(cfg: BuildConfig, paths: Paths) -> None:
+    """Pretraining from scratch on random windows of the train stream, through the same
+    window sampler and training loop as ``vllm-specx distill``'s pretrain stage."""
+    from vllm_specx.training.distill import stream_windows, train_lm
+
     train_ids = torch.load(paths.work / "train_ids.pt")
     model = new_model(cfg, cfg.target, cfg.seed + 1)
     log(f"target: {param_count(model):,} parameters, {cfg.target}")
-    sampler = window_sampler(train_ids, cfg.seq_len, cfg.target_batch, cfg.seed + 2)
-    info = train_loop(model, sampler, cfg.target_steps, cfg.target_lr, cfg, "target")
+    windows = stream_windows(train_ids, cfg.seq_len, cfg.target_steps * cfg.target_batch,
+                             cfg.seed + 2, bos_id=0)
+    info = train_lm(model, (windows, windows), steps=cfg.target_steps, batch=cfg.target_batch,
+                    lr=cfg.target_lr, seed=cfg.seed + 2, options=distill_options(cfg),
+                    desc="target", progress=False, log=log)
     save_model(model, paths.target, paths.tokenizer)
-    info.update(params=param_count(model), batch=cfg.target_batch, seq_len=cfg.seq_len)
+    info.update(params=param_count(model), seq_len=cfg.seq_len, autocast=cfg.autocast,
+                threads=cfg.threads)
     update_report(paths, "target", info)
 
 
@@ -662,50 +600,92 @@ def generate(
     return cont
 
 
-def distill_prompts(cfg: BuildConfig, train_ids: torch.Tensor) -> torch.Tensor:
-    """bos + (prompt_len - 1) train tokens from random offsets of the train stream.
+def distill_prompt_refs(cfg: BuildConfig) -> list[dict[str, Any]]:
+    """Distillation prompts: ``cfg.distill_prompts`` snippets of TRAIN files (never a
+    held-out file), chosen like the head's, as stdlib references."""
+    return head_prompt_refs(cfg, cfg.distill_prompts, "distill-prompts")
 
-    Equal lengths let one batch share a KV cache without padding or position bookkeeping.
-    """
-    gen = torch.Generator().manual_seed(cfg.seed + 3)
-    body = cfg.distill_prompt_len - 1
-    starts = torch.randint(1, train_ids.numel() - body - 1, (cfg.distill_prompts,), generator=gen)
-    bos = torch.zeros(1, dtype=torch.long)
-    return torch.stack([torch.cat([bos, train_ids[s : s + body].long()]) for s in starts.tolist()])
+
+def link_corpus(cfg: BuildConfig, corpus: Path) -> int:
+    """The train files as a corpus directory for ``distill --corpus``: symbolic links to the
+    stdlib files under their relative paths (nothing copied), so distill tokenizes exactly
+    the train split, in the same sorted order as the token stream of stage tokenizer."""
+    stdlib, train_rel, _ = list_corpus(cfg)
+    if corpus.exists():
+        shutil.rmtree(corpus)
+    count = 0
+    for rel in train_rel:
+        if read_text(stdlib, rel) is None:
+            continue  # the tokenizer stage skips these too
+        link = corpus / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(stdlib / rel)
+        count += 1
+    return count
+
+
+def distill_argv(cfg: BuildConfig, paths: Paths) -> list[str]:
+    """The ``vllm-specx distill`` command line of the draft (stages distill and draft)."""
+    from vllm_specx.training.distill import DRAFT_SIZES
+
+    size = next((k for k, v in DRAFT_SIZES.items() if dataclasses.astuple(v) == (
+        cfg.draft.hidden, cfg.draft.layers, cfg.draft.heads, cfg.draft.kv_heads,
+        cfg.draft.intermediate)), None)
+    if size is None:
+        raise RuntimeError(f"draft shape {cfg.draft} is not a vllm-specx distill size")
+    argv = [
+        "distill",
+        "--target", shown(paths.target),
+        "--draft-config", size,
+        "--prompts", shown(paths.work / "distill_prompts.jsonl"),
+        "--corpus", shown(paths.work / "corpus"),
+        "-o", shown(paths.draft),
+        "--work-dir", shown(paths.work / "distill"),
+        "--seed", str(cfg.seed),
+        "--max-tokens", str(cfg.distill_new_tokens),
+        "--seq-len", str(cfg.seq_len),
+        "--pretrain-steps", str(cfg.draft_pretrain_steps),
+        "--pretrain-batch", str(cfg.draft_pretrain_batch),
+        "--pretrain-lr", str(cfg.draft_pretrain_lr),
+        "--finetune-steps", str(cfg.draft_finetune_steps),
+        "--finetune-batch", str(cfg.draft_finetune_batch),
+        "--finetune-lr", str(cfg.draft_finetune_lr),
+        "--weight-decay", str(cfg.weight_decay),
+        "--max-position-embeddings", str(cfg.max_position_embeddings),
+        "--threads", str(cfg.threads),
+        "--autocast", cfg.autocast,
+        "--no-progress",
+    ]
+    for t in cfg.distill_temperatures:
+        argv += ["--temperature", str(t)]
+    if cfg.max_position_embeddings < 512:  # toy models: below the engine's default length
+        argv += ["--engine-args", json.dumps({"max_model_len": cfg.max_position_embeddings})]
+    return argv
+
+
+def run_specx(argv: list[str], label: str) -> None:
+    from vllm_specx.cli import main as specx_main
+
+    log(f"{label}: vllm-specx {' '.join(argv)}")
+    rc = specx_main(argv)
+    if rc:
+        raise RuntimeError(f"vllm-specx {argv[0]} exited with {rc}")
 
 
 def stage_distill(cfg: BuildConfig, paths: Paths) -> None:
+    """Self-distillation data as in seed 004: ``vllm-specx distill --stop-after data`` (the
+    target answers train-file snippets in vLLM at temperatures 0, 0.3, 0.7 and 1.0)."""
     t0 = time.time()
-    train_ids = torch.load(paths.work / "train_ids.pt")
-    model = load_model(paths.target)
-    prompts = distill_prompts(cfg, train_ids)
-    seqs, masks, per_temp = [], [], {}
-    for ti, temp in enumerate(cfg.distill_temperatures):
-        gen = torch.Generator().manual_seed(cfg.seed + 100 + ti)
-        t1 = time.time()
-        for b in range(0, prompts.shape[0], cfg.distill_batch):
-            p = prompts[b : b + cfg.distill_batch]
-            cont = generate(model, p, cfg.distill_new_tokens, temp, gen)
-            # Loss on the generated tokens up to and including the first eos.
-            is_eos = cont == 1
-            after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
-            mask = torch.cat([torch.zeros_like(p, dtype=torch.bool), ~after_eos], dim=1)
-            seqs.append(torch.cat([p, cont], dim=1))
-            masks.append(mask)
-        per_temp[str(temp)] = round(time.time() - t1, 1)
-        log(f"distill: temperature {temp} done in {per_temp[str(temp)]}s")
-    data = {"input_ids": torch.cat(seqs).to(torch.int32), "loss_mask": torch.cat(masks)}
-    torch.save(data, paths.work / "distill.pt")
-    info = {
-        "seconds": round(time.time() - t0, 1),
-        "temperatures": list(cfg.distill_temperatures),
-        "prompts_per_temperature": cfg.distill_prompts,
-        "prompt_tokens": cfg.distill_prompt_len,
-        "new_tokens": cfg.distill_new_tokens,
-        "sequences": int(data["input_ids"].shape[0]),
-        "supervised_tokens": int(data["loss_mask"].sum()),
-        "seconds_per_temperature": per_temp,
-    }
+    refs = distill_prompt_refs(cfg)
+    paths.work.mkdir(parents=True, exist_ok=True)
+    (paths.work / "distill_prompts.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in refs), encoding="utf-8")
+    files = link_corpus(cfg, paths.work / "corpus")
+    run_specx([*distill_argv(cfg, paths), "--stop-after", "data"], "distill")
+    data = json.loads((paths.work / "distill" / "data.done.json").read_text())
+    data.pop("inputs", None)
+    info = {"seconds": round(time.time() - t0, 1), "temperatures": list(cfg.distill_temperatures),
+            "new_tokens": cfg.distill_new_tokens, "corpus_files": files, **data}
     log(f"distill: {json.dumps(info)}")
     update_report(paths, "distill", info)
 
@@ -715,49 +695,24 @@ def stage_distill(cfg: BuildConfig, paths: Paths) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def distill_sampler(data: dict[str, torch.Tensor], batch: int, seed: int) -> Any:
-    """Shuffled epochs over the distilled sequences; prompt tokens carry no loss."""
-    gen = torch.Generator().manual_seed(seed)
-    ids, mask = data["input_ids"].long(), data["loss_mask"]
-    labels = torch.where(mask, ids, torch.full_like(ids, -100))
-    order: list[int] = []
-
-    def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal order
-        if len(order) < batch:
-            order = order + torch.randperm(ids.shape[0], generator=gen).tolist()
-        take, order = order[:batch], order[batch:]
-        return ids[take], labels[take]
-
-    return next_batch
-
-
-def stage_draft(cfg: BuildConfig, paths: Paths, reuse_pretrain: bool) -> None:
+def stage_draft(cfg: BuildConfig, paths: Paths) -> None:
+    """``vllm-specx distill`` itself (the data of stage distill is reused, and so is a
+    pretrained draft whose inputs did not change): pretrain on the train files, finetune
+    on the target's answers, write ``draft/`` and distill's held-out report."""
     t0 = time.time()
-    if reuse_pretrain and (paths.draft_pretrain / "config.json").exists():
-        log(f"draft: reusing pretrained draft in {paths.draft_pretrain}")
-        model = load_model(paths.draft_pretrain)
-        pre_info = load_report(paths).get("stages", {}).get("draft", {}).get("pretrain", {})
-    else:
-        train_ids = torch.load(paths.work / "train_ids.pt")
-        model = new_model(cfg, cfg.draft, cfg.seed + 4)
-        log(f"draft: {param_count(model):,} parameters, {cfg.draft}")
-        sampler = window_sampler(train_ids, cfg.seq_len, cfg.draft_pretrain_batch, cfg.seed + 5)
-        pre_info = train_loop(
-            model, sampler, cfg.draft_pretrain_steps, cfg.draft_pretrain_lr, cfg, "draft-pretrain"
-        )
-        save_model(model, paths.draft_pretrain, paths.tokenizer)
-    data = torch.load(paths.work / "distill.pt")
-    sampler = distill_sampler(data, cfg.draft_finetune_batch, cfg.seed + 6)
-    ft_info = train_loop(
-        model, sampler, cfg.draft_finetune_steps, cfg.draft_finetune_lr, cfg, "draft-finetune"
-    )
-    save_model(model, paths.draft, paths.tokenizer)
+    argv = distill_argv(cfg, paths)
+    run_specx(argv, "draft")
+    report = json.loads((paths.draft / "REPORT.json").read_text())
+    # The fixture's own REPORT.json carries the numbers; the draft directory stays as the
+    # fixture tests and the README describe it (model and tokenizer files only).
+    (paths.draft / "REPORT.json").unlink()
     info = {
-        "params": param_count(model),
-        "pretrain": pre_info,
-        "finetune": ft_info,
         "seconds": round(time.time() - t0, 1),
+        "command": "vllm-specx " + " ".join(argv),
+        "params": report["draft"]["params"],
+        "pretrain": report["stages"]["pretrain"],
+        "finetune": report["stages"]["finetune"],
+        "distill_heldout": report["heldout"],
     }
     update_report(paths, "draft", info)
 
@@ -1019,14 +974,12 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
             "seeds": {
                 "base": cfg.seed,
                 "target_init": cfg.seed + 1,
-                "target_batches": cfg.seed + 2,
-                "distill_prompts": cfg.seed + 3,
-                "draft_init": cfg.seed + 4,
-                "draft_pretrain_batches": cfg.seed + 5,
-                "draft_finetune_batches": cfg.seed + 6,
-                "distill_sampling": [
-                    cfg.seed + 100 + i for i in range(len(cfg.distill_temperatures))
-                ],
+                "target_windows_and_batches": cfg.seed + 2,
+                "distill": f"vllm-specx distill --seed {cfg.seed}: draft init {cfg.seed}, "
+                f"corpus windows {cfg.seed + 1}, pretrain batches {cfg.seed + 2}, finetune "
+                f"batches {cfg.seed + 3}, generation request i {cfg.seed} + i, held-out split "
+                f"{cfg.seed}",
+                "distill_prompts": f"{cfg.seed}:distill-prompts (snippet shuffle)",
             },
         }
     )
@@ -1047,9 +1000,12 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def head_prompt_refs(cfg: BuildConfig) -> list[dict[str, Any]]:
-    """Training prompts for the head: snippets of TRAIN files (never a held-out file), chosen
-    like the held-out prompts, round-robin over files, as stdlib references."""
+def head_prompt_refs(
+    cfg: BuildConfig, count: int | None = None, salt: str = "head-prompts"
+) -> list[dict[str, Any]]:
+    """Training prompts for the head (and, with another salt, for distillation): snippets of
+    TRAIN files (never a held-out file), chosen like the held-out prompts, round-robin over
+    files, as stdlib references."""
     stdlib, train_rel, _ = list_corpus(cfg)
     per_file = [
         make_prompt_records(cfg, rel, text)
@@ -1058,7 +1014,7 @@ def head_prompt_refs(cfg: BuildConfig) -> list[dict[str, Any]]:
     ]
     records = [recs[k] for k in range(cfg.prompts_per_file) for recs in per_file if k < len(recs)]
     # A seeded spread over the whole (alphabetical) file list rather than its head.
-    random.Random(f"{cfg.seed}:head-prompts").shuffle(records)
+    random.Random(f"{cfg.seed}:{salt}").shuffle(records)
     return [
         {
             "id": i,
@@ -1068,7 +1024,7 @@ def head_prompt_refs(cfg: BuildConfig) -> list[dict[str, Any]]:
             "text_chars": len(rec["text"]),
             "sha256": hashlib.sha256(rec["text"].encode("utf-8")).hexdigest(),
         }
-        for i, rec in enumerate(records[: cfg.head_prompts])
+        for i, rec in enumerate(records[: cfg.head_prompts if count is None else count])
     ]
 
 
@@ -1086,11 +1042,6 @@ def stage_head(cfg: BuildConfig, paths: Paths) -> None:
     paths.head.mkdir(parents=True, exist_ok=True)
     prompts_file = paths.head / "train_prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(r) + "\n" for r in refs), encoding="utf-8")
-    def shown(path: Path) -> str:
-        # Relative to the working directory when inside it: the head's config.json records
-        # these paths, and a committed file should not carry this machine's absolute paths.
-        return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
-
     argv = [
         "train-head",
         "--target", shown(paths.target),
@@ -1149,12 +1100,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--threads", type=int, choices=(1, 2), default=None, help="torch threads (default 1)"
     )
-    ap.add_argument(
-        "--reuse-draft-pretrain",
-        action="store_true",
-        help="draft stage: finetune the pretrained draft kept in the work dir instead of "
-        "pretraining again",
-    )
     return ap.parse_args(argv)
 
 
@@ -1204,7 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
         elif stage == "distill":
             stage_distill(cfg, paths)
         elif stage == "draft":
-            stage_draft(cfg, paths, args.reuse_draft_pretrain)
+            stage_draft(cfg, paths)
         elif stage == "head":
             stage_head(cfg, paths)
         elif stage == "report":
