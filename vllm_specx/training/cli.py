@@ -192,10 +192,10 @@ def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="prompts the target answers: one JSON string, {\"prompt\": ...} object "
                    "or stdlib reference per line; a seeded --heldout-fraction of them is kept "
                    "for the report; keep them apart from the prompts you benchmark on")
-    p.add_argument("--corpus", type=Path, metavar="DIR_OR_FILE",
+    p.add_argument("--corpus", type=Path, metavar="DIR_OR_FILE", action="append",
                    help="raw text to pretrain on before distillation: a text file, or a "
                    "directory (every *.txt, *.md, *.rst, *.py, *.json(l), *.html, *.c, *.h "
-                   "file under it); without it there is no pretrain stage")
+                   "file under it); repeatable; without it there is no pretrain stage")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="DIR",
                    help="output draft directory (created; REPORT.json is written into it)")
     p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
@@ -299,9 +299,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if not args.prompts.is_file():
         return refuse(f"vllm-specx distill: --prompts {args.prompts}: no such file; allowed: "
                       "a JSONL prompt file")
-    if args.corpus is not None and not args.corpus.exists():
-        return refuse(f"vllm-specx distill: --corpus {args.corpus}: no such file or "
-                      "directory; allowed: a text file or a directory of text files")
+    for corpus in args.corpus or []:
+        if not corpus.exists():
+            return refuse(f"vllm-specx distill: --corpus {corpus}: no such file or "
+                          "directory; allowed: a text file or a directory of text files")
     if args.num_prompts is not None and args.num_prompts < 1:
         return refuse(f"vllm-specx distill: --num-prompts {args.num_prompts}: allowed: an "
                       "integer >= 1")

@@ -262,10 +262,12 @@ def load_causal_lm(path: str | os.PathLike) -> nn.Module:
     return model.eval()
 
 
-def target_embedding_projection(target_dir: Path, hidden: int) -> torch.Tensor:
+def target_embedding_projection(target_dir: Path, hidden: int, std: float) -> torch.Tensor:
     """The target's input embedding projected on its top ``hidden`` principal directions,
-    rescaled to the target's per-entry spread: tokens the target treats alike start alike,
-    which a from-scratch embedding of a large vocabulary needs many steps to learn."""
+    rescaled to a per-entry spread ``std`` (the draft's initializer range: the target's own
+    scale, tied to an output layer, starts with logits so large that the first steps only
+    undo them): tokens the target treats alike start alike, which a from-scratch embedding
+    of a large vocabulary needs many steps to learn."""
     from safetensors import safe_open
 
     emb = None
@@ -286,7 +288,7 @@ def target_embedding_projection(target_dir: Path, hidden: int) -> torch.Tensor:
     # Eigenvectors of the (width x width) covariance: exact and cheap next to an SVD of V rows.
     _, vecs = torch.linalg.eigh(centered.double().T @ centered.double())
     proj = (centered.double() @ vecs[:, -hidden:].flip(1)).float()
-    return proj * (emb.std() / proj.std().clamp_min(1e-12))
+    return proj * (std / proj.std().clamp_min(1e-12))
 
 
 def new_draft(target_dir: Path, shape: DraftShape, options: DistillOptions) -> nn.Module:
@@ -298,7 +300,8 @@ def new_draft(target_dir: Path, shape: DraftShape, options: DistillOptions) -> n
     if options.embed_init == "target":
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(
-                target_embedding_projection(target_dir, shape.hidden))
+                target_embedding_projection(target_dir, shape.hidden,
+                                            model.config.initializer_range))
     return model
 
 
@@ -332,14 +335,18 @@ def save_draft(model: nn.Module, out_dir: Path, target_dir: Path, save_dtype: st
 # --------------------------------------------------------------------------------------------
 
 
-def corpus_files(corpus: Path) -> list[Path]:
-    """Text files of a corpus: the file itself, or every file under a directory with a
-    :data:`CORPUS_SUFFIXES` suffix, sorted by path."""
-    corpus = Path(corpus)
-    if corpus.is_file():
-        return [corpus]
-    return sorted(p for p in corpus.rglob("*")
-                  if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES)
+def corpus_files(corpus: Path | list[Path]) -> list[Path]:
+    """Text files of a corpus (one path or several, in the given order): a file itself, or
+    every file under a directory with a :data:`CORPUS_SUFFIXES` suffix, sorted by path."""
+    files: list[Path] = []
+    for path in [corpus] if isinstance(corpus, (str, Path)) else corpus:
+        path = Path(path)
+        if path.is_file():
+            files.append(path)
+        else:
+            files += sorted(p for p in path.rglob("*")
+                            if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES)
+    return files
 
 
 def corpus_stream(files: list[Path], tokenizer: Any, bos_id: int, eos_id: int) -> torch.Tensor:
@@ -539,7 +546,7 @@ class DistillJob:
     out_dir: Path
     init: Path | None = None
     shape: DraftShape | None = None
-    corpus: Path | None = None
+    corpus: list[Path] | None = None  # files or directories, in order
     work_dir: Path | None = None
     max_prompts: int | None = None
     engine_args: dict[str, Any] | None = None
@@ -575,7 +582,7 @@ def stage_inputs(job: DistillJob, options: DistillOptions) -> dict[str, dict[str
               "min_lr_ratio": o.min_lr_ratio, "threads": o.threads, "autocast": o.autocast}
     pretrain = {
         **start, **common,
-        "corpus": str(job.corpus) if job.corpus else None,
+        "corpus": [str(c) for c in job.corpus] if job.corpus else None,
         "corpus_files": _corpus_digest(job.corpus) if job.corpus else None,
         "steps": o.pretrain_steps if job.corpus else 0, "batch": o.pretrain_batch,
         "lr": o.pretrain_lr,
@@ -589,7 +596,7 @@ def stage_inputs(job: DistillJob, options: DistillOptions) -> dict[str, dict[str
             "report": {"finetune": finetune}}
 
 
-def _corpus_digest(corpus: Path) -> str:
+def _corpus_digest(corpus: list[Path]) -> str:
     """A digest of the corpus file list with sizes and modification times (cheap; a
     changed file means new windows)."""
     import hashlib
