@@ -8,7 +8,9 @@ it runs the same requests and reports, per request and drafting round:
 * tail tokens: the beam-tail passes at depths 1..K-1 with KV-prefix reuse (measured);
 * full recompute: the same without reuse, B*K*(K-1)/2 (exact, counted by the proposer);
 * vanilla: K-1, what chain drafting spends after its first pass;
-* draft forward passes per round: 1 + B*(K-1) (vanilla: K);
+* draft forward passes per round: K with all beams of a depth in one pass (the default,
+  per-beam KV slots), 1 + B*(K-1) with one pass per beam (``batched_beams = False``, the
+  drafter before issue 15); vanilla: K;
 * accepted tokens per target pass (block efficiency) for the configuration;
 * draft wall time per drafting round (the whole ``propose`` call, all requests of the
   batch; this machine, so only the ratios between rows carry over).
@@ -83,7 +85,7 @@ def main() -> None:
             target,
             draft,
             k,
-            num_beams=1,
+            num_beams=8,  # the scratch KV region is reserved for the widest B measured
             skip_tokenizer_init=not use_fixture,
             max_model_len=256,
             max_num_batched_tokens=256,
@@ -101,9 +103,12 @@ def main() -> None:
 
         eng.drafter.propose = propose
         try:
-            for b in (1, 2, 4, 8):
+            for b, batched in [(b, m) for b in (1, 2, 4, 8) for m in (True, False)]:
+                if b == 1 and not batched:
+                    continue  # B = 1 is chain drafting either way
                 seconds_before = propose_seconds[0]
                 eng.drafter.num_beams = b
+                eng.drafter.batched_beams = batched
                 before = eng.drafter.stats.as_dict()
                 params = [
                     SamplingParams(
@@ -123,6 +128,7 @@ def main() -> None:
                 row = {
                     "K": k,
                     "B": b,
+                    "batched": batched,
                     "request_rounds": req_rounds,
                     "first_pass_tokens_per_req_round": d["first_pass_tokens"] / req_rounds,
                     "tail_tokens_per_req_round": d["tail_tokens"] / req_rounds,
@@ -140,19 +146,32 @@ def main() -> None:
             eng.close()
     print()
     print(
-        "| K | B | first pass | tail (reuse) | tail (full recompute) | vanilla tail |"
+        "| K | B | batched | first pass | tail (reuse) | tail (full recompute) | vanilla tail |"
         " draft passes/round | draft ms/round | tokens/target pass |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['K']} | {r['B']} | {r['first_pass_tokens_per_req_round']:.2f} | "
+            f"| {r['K']} | {r['B']} | {'yes' if r['batched'] else 'no'} | "
+            f"{r['first_pass_tokens_per_req_round']:.2f} | "
             f"{r['tail_tokens_per_req_round']:.2f} | "
             f"{r['full_recompute_tail_per_req_round']:.0f} | "
             f"{r['vanilla_tail_per_req_round']} | {r['draft_passes_per_round']:.1f} | "
             f"{r['draft_ms_per_round']:.1f} | "
             f"{r['tokens_per_target_pass']:.2f} |"
         )
+    print()
+    print("| K | B = 1 | B = 2 | B = 4 | B = 8 | B = 8, one pass per beam |")
+    print("|---|---|---|---|---|---|")
+    for k in sorted({r["K"] for r in rows}):
+        cells = []
+        for b, batched in ((1, True), (2, True), (4, True), (8, True), (8, False)):
+            r = next(x for x in rows if x["K"] == k and x["B"] == b and x["batched"] == batched)
+            cells.append(
+                f"{r['tail_tokens_per_req_round']:.1f} tok, "
+                f"{r['draft_passes_per_round']:.0f} passes, {r['draft_ms_per_round']:.1f} ms"
+            )
+        print(f"| {k} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps({"fixture": use_fixture, "rows": rows}, indent=2))
 

@@ -388,6 +388,54 @@ def beam_search(
     return tokens, q, state
 
 
+BeamLogprobs = Callable[[torch.Tensor], torch.Tensor]
+
+
+def beam_search_batched(
+    first_logprobs: torch.Tensor,
+    depth: int,
+    num_beams: int,
+    forward: Callable[[BeamSearchState], BeamLogprobs],
+    greedy: torch.Tensor,
+    generators: Mapping[int, torch.Generator] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, BeamSearchState]:
+    """MTAD's beam search with the draft model as a callback, one call per depth.
+
+    ``first_logprobs`` [R, V]: the warped next-token log-probs after each row's context
+    (the drafter's first pass). ``forward(state)`` is the model: it runs the draft over
+    every live beam of ``state`` (``state.tokens`` [R, B, j], ``state.scores`` -inf for
+    dead beams, ``state.parents`` the lineage) and returns ``beam_logprobs``, where
+    ``beam_logprobs(beam)`` ([R] long: one beam index per row) gives those beams'
+    warped next-token log-probs [R, V] (any finite values for dead beams: their -inf
+    score keeps every continuation out). The in-vLLM drafter runs all beams of a depth in
+    one batched forward pass (``glue/mtad_proposer.py``); the same search with a lazy
+    callback recomputes one beam per pass.
+
+    Each row's beams are fed to the step's selector in lexicographic order of their tails
+    (``beam_tails.lexicographic_order``): a lazy callback then runs siblings back to back,
+    and for a given generator state the draws do not depend on which callback ran.
+    Selection streams one beam at a time (memory O(R * V), see ``StreamingSelector``).
+    Returns the best beam's (tokens [R, depth], q [R, depth]) and the final state.
+    """
+    from vllm_specx.algorithms.beam_tails import lexicographic_order
+
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    num_rows = first_logprobs.shape[0]
+    state = BeamSearchState.start(num_rows, num_beams, first_logprobs.device)
+    state = state.step(first_logprobs, greedy, generators)
+    for _ in range(1, depth):
+        beam_logprobs = forward(state)
+        order = lexicographic_order(state.tokens.to("cpu"))
+        selector = state.selector(greedy, generators)
+        for i in range(state.width):
+            beam = order[:, i].to(first_logprobs.device)
+            selector.add(beam, beam_logprobs(beam))
+        state = state.apply(selector.result())
+    tokens, q = state.best()
+    return tokens, q, state
+
+
 def recompute_tail_cost(num_beams: int, depth: int) -> int:
     """Draft tokens per request per round that "recompute the tail" spends after the
     first pass: at step j (1..depth-1) each of the B beams re-feeds its j-token tail."""

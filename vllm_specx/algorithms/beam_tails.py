@@ -89,3 +89,45 @@ def split_rows_by_token_budget(q_lens: torch.Tensor, max_tokens: int) -> list[tu
         ranges.append((lo, hi))
         lo = hi
     return ranges
+
+
+# --------------------------------------------------------------------------------------
+# Batched drafting: every beam in its own KV slot
+# --------------------------------------------------------------------------------------
+
+
+def beam_tail_span_blocks(k: int, block_size: int) -> int:
+    """Most KV blocks one beam's tail can touch: its ``K - 1`` tokens sit at the
+    consecutive positions ``P+1 .. P+K-1``, which start anywhere inside a block."""
+    tail = k - 1
+    if tail <= 0:
+        return 0
+    return -(-(tail - 1) // block_size) + 1
+
+
+def assign_beam_slots(parents: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+    """[R, B] int64: the KV slot (0..B-1) each new beam's tail goes to.
+
+    ``parents`` [R, B]: the beam of the previous step each new beam extends;
+    ``parent_slots`` [R, Bp]: the slot each of those beams occupied. A new beam takes its
+    parent's slot when no earlier beam of its row took it (that slot already holds its
+    whole tail but the newest token); every other beam takes the lowest slot left free.
+    So one child per parent extends in place, and siblings re-feed their tails elsewhere.
+    Host-side loop over small [R, B] tensors (R requests x B beams per drafting step).
+    """
+    rows, beams = parents.shape
+    out = torch.empty(rows, beams, dtype=torch.int64)
+    par = parents.tolist()
+    pslot = parent_slots.tolist()
+    for r in range(rows):
+        taken = [False] * beams
+        slot_of: list[int | None] = [None] * beams
+        for b in range(beams):
+            s = pslot[r][par[r][b]]
+            if s < beams and not taken[s]:
+                taken[s] = True
+                slot_of[b] = s
+        free = (s for s in range(beams) if not taken[s])
+        for b in range(beams):
+            out[r, b] = slot_of[b] if slot_of[b] is not None else next(free)
+    return out

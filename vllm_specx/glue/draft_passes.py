@@ -132,11 +132,21 @@ class LookaheadPasses:
         self.positions_cpu = sample_positions.to("cpu", torch.int64)  # P per request
         self.base_seq_cpu = base_seq_lens.to("cpu", torch.int64)  # P + 1 per request
 
-    def run(self, rows: torch.Tensor, tails: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        rows: torch.Tensor,
+        tails: torch.Tensor,
+        start: torch.Tensor,
+        block_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One draft forward pass: request ``rows[i]`` is fed ``tails[i, start[i]:]`` at
         positions ``P+1+start[i] .. P+j`` (``j = tails.shape[1]``; the earlier tail tokens'
         KV is already in its slots). Returns the final hidden state after each row's last
         token, ``[len(rows), H]``. ``rows``, ``tails``, ``start``: CPU int64 tensors.
+
+        ``rows`` may repeat a request (MTAD feeds several beams of one request in one
+        pass); each such row then needs its own KV slots: ``block_table`` ([len(rows), W]
+        on the device) replaces the rows' block-table rows (default: the request's own).
         """
         p = self.p
         n, j = tails.shape
@@ -157,7 +167,8 @@ class LookaheadPasses:
 
         dev = self.device
         req_of_token = torch.repeat_interleave(torch.arange(n), q_lens)
-        block_table = self.cad.block_table_tensor[rows.to(dev)]
+        if block_table is None:
+            block_table = self.cad.block_table_tensor[rows.to(dev)]
         n_blocks = block_table.shape[1]
         block_idx = torch.clamp(positions // self.block_size, max=n_blocks - 1)
         blocks = block_table[req_of_token.to(dev), block_idx.to(dev)].to(torch.int64)

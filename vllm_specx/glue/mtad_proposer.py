@@ -8,35 +8,37 @@ per-token draft probabilities ``q_j`` are left for ``take_last_draft_probs()`` a
 ``[num_reqs, K]`` float32 tensor; the runner slices ``[row, :num_draft]`` per request and
 concatenates them into the 1-D ``[T]`` tensor the specx sampler's MTAD rule reads.
 
-Draft KV cache: "recompute the tail"
-------------------------------------
-The B beams of one request write different tokens at the same positions, but a request
-owns only one set of KV slots. We therefore keep vLLM's slot layout untouched and use
-only the positions vLLM's own draft-model drafter writes (the request's lookahead slots
-``P+1 .. P+K-1``, where ``P`` is the position of the token the target just emitted):
+Draft passes: K per round, for every B
+--------------------------------------
+The search is the pure ``beam_search_batched``; this module is its model callback.
 
-* the first pass is exactly the base class's (the target's verified tokens plus the new
-  token, one pass for the whole batch) and gives every request's first-token logits;
-* at depth ``j`` (1..K-1) each beam's ``j``-token tail must be the content of the lookahead
-  slots when its next-token logits are computed. Beams of one request cannot share a
-  forward pass (the KV write of one would be read by the other), so depth ``j`` runs B
-  passes; pass ``b`` carries beam ``b`` of every request, as a ragged query of that
-  beam's tail at positions ``P+1+s .. P+j`` (``seq_len = P+1+j``).
-* ``s`` is how much of the tail is already in the slots: the proposer remembers which
-  tokens it last wrote there, and the KV at ``P+i`` is still valid when the first ``i``
-  tail tokens agree (causality). Beams are visited in lexicographic order of their tails
-  so that siblings follow each other; a sibling then costs one token instead of ``j``.
-  Without that reuse the cost is ``B * K * (K-1) / 2`` draft tokens per request per round
-  on top of the first pass (``reuse_kv_prefix = False`` measures it).
+* The first pass is exactly the base class's (the target's verified tokens plus the new
+  token, one pass for the whole batch) and gives every request's first-token logits.
+* At depth ``j`` (1..K-1) ONE pass carries every live beam of every request (a request
+  whose beams died carries fewer): beam b's ``j``-token tail sits at positions
+  ``P+1 .. P+j`` (``P``: the position of the token the target just emitted) in KV slots
+  of its own, so beams of one request no longer overwrite each other. How the slots are
+  found inside the engine's KV cache (a scratch region reserved at start, per-beam
+  block-table rows, copy-on-write of the partial block) is ``glue/beam_kv.py``.
+  Beam slot 0 is the request's own lookahead slots (what chain drafting writes), so at
+  B = 1 the drafter does exactly what chain drafting does.
+* Each new beam goes to its parent's slot when it is the parent's first child (it then
+  feeds one token); its siblings go to free slots and feed their tail from where it
+  differs from what that slot holds (``beam_tails.assign_beam_slots`` and
+  ``tail_feed_start``). A pass splits only when it does not fit the drafter's token
+  buffers.
 
-The visiting order, the reuse (where each tail's feed starts) and the split of a pass
-into passes that fit the drafter's token buffers are pure functions in
-:mod:`vllm_specx.algorithms.beam_tails`, tested there; this module only runs the passes.
+When the scratch region cannot hold every beam of the round (B raised on a running
+engine, more requests than ``max_num_seqs``), requests run in groups that fit (one pass
+per group and depth; a group's scratch slots are re-copied and its tails re-fed). With no
+region at all the drafter falls back to "recompute the tail": one pass per beam per depth
+over the request's own lookahead slots, visiting siblings back to back and skipping the
+prefix already in the slots (``1 + B*(K-1)`` passes per round).
 
-Nothing is allocated beyond what vLLM already reserves, and the slots written are the
-ones vanilla drafting writes, so prefix caching, chunked prefill and preemption see the
-same KV-cache bookkeeping as with ``method="draft_model"``: the next round's first pass
-rewrites the draft KV of every verified token anyway.
+Nothing is allocated per round, and the slots the scheduler owns are written exactly as
+with ``method="draft_model"`` (the scratch blocks are never a request's), so prefix
+caching, chunked prefill and preemption see the same KV-cache bookkeeping: the next
+round's first pass rewrites the draft KV of every verified token anyway.
 
 Warping: each request's own temperature, top-k and top-p (vLLM's order); greedy requests
 (temperature 0) run deterministic top-B beam search on the unwarped draft log-probs.
@@ -59,6 +61,8 @@ parallelism, decode context parallelism and M-RoPE draft models.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,53 +71,87 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.algorithms.beam_draft import (
+    BeamLogprobs,
     BeamSearchState,
+    beam_search_batched,
     greedy_mask_from_temperature,
     recompute_tail_cost,
     warp_logprobs,
 )
 from vllm_specx.algorithms.beam_tails import (
-    lexicographic_order,
+    assign_beam_slots,
     split_rows_by_token_budget,
     tail_feed_start,
 )
+from vllm_specx.glue.beam_kv import BeamKVSlots
 from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+
+logger = logging.getLogger("vllm.specx")
 
 
 @dataclass
 class MTADDraftStats:
-    """Draft-model work, counted in tokens fed to the draft model.
+    """Draft-model work of the MTAD drafter; ``specx_stats()`` hands it to the bench.
 
     ``first_pass_tokens``: the base-class pass over the verified tokens (what vanilla
-    draft-model drafting also spends). ``tail_tokens``: the beam-tail recomputation at
-    depths 1..K-1 (vanilla would spend ``num_reqs * (K-1)`` there). ``full_recompute``:
-    what the tail passes would cost without KV-prefix reuse (``B*K*(K-1)/2`` per request).
+    draft-model drafting also spends). ``tail_tokens``: tokens fed at depths 1..K-1
+    (vanilla: ``num_reqs * (K-1)``). ``full_recompute_tail_tokens``: what the tail passes
+    would cost without KV-prefix reuse (``B*K*(K-1)/2`` per request).
+    ``tail_forward_passes``: batched passes at depths 1..K-1; ``request_passes``: the
+    passes each request took part in, summed over requests (first pass included: K per
+    request-round when the beams fit one pass per depth).
     """
 
     rounds: int = 0
     requests: int = 0  # sum over rounds of the requests drafted for
+    drafted_tokens: int = 0
     first_pass_tokens: int = 0
     tail_tokens: int = 0
     tail_forward_passes: int = 0
     full_recompute_tail_tokens: int = 0
+    request_passes: int = 0
+    sequential_rounds: int = 0  # rounds run one beam per pass (no scratch region)
 
-    def record(self, num_reqs: int, k: int, b: int, first: int, tail: int, passes: int) -> None:
+    def record(
+        self,
+        num_reqs: int,
+        k: int,
+        b: int,
+        first: int,
+        tail: int,
+        passes: int,
+        request_passes: int | None = None,
+        sequential: bool = False,
+    ) -> None:
         full = num_reqs * recompute_tail_cost(b, k)
         self.rounds += 1
         self.requests += num_reqs
+        self.drafted_tokens += num_reqs * k
         self.first_pass_tokens += first
         self.tail_tokens += tail
         self.tail_forward_passes += passes
         self.full_recompute_tail_tokens += full
+        # Without a count, every request took part in every pass of the round.
+        self.request_passes += num_reqs * (1 + passes) if request_passes is None else (
+            request_passes)
+        self.sequential_rounds += int(sequential)
 
     def as_dict(self) -> dict[str, Any]:
+        # drafted/scheduled/draft_forward_passes/requests are the keys the bench reads
+        # (``bench.metrics.DrafterStats``): every request of a round is scheduled its K
+        # drafts, and its draft forwards are the passes it took part in.
         return {
+            "drafted_tokens": self.drafted_tokens,
+            "scheduled_tokens": self.drafted_tokens,
+            "draft_forward_passes": self.request_passes,
             "rounds": self.rounds,
             "requests": self.requests,
+            "batched_forward_passes": self.rounds + self.tail_forward_passes,
             "first_pass_tokens": self.first_pass_tokens,
             "tail_tokens": self.tail_tokens,
             "tail_forward_passes": self.tail_forward_passes,
             "full_recompute_tail_tokens": self.full_recompute_tail_tokens,
+            "sequential_rounds": self.sequential_rounds,
         }
 
 
@@ -122,6 +160,9 @@ class MTADProposer(SpecxDraftModelProposer):
 
     # Skip recomputing the part of a beam's tail already in the lookahead slots.
     reuse_kv_prefix: bool = True
+    # All beams of a depth in one pass (their own KV slots); False: one pass per beam in
+    # the request's own lookahead slots, the drafter before batching (for comparison).
+    batched_beams: bool = True
 
     # The validated mtad settings (``num_beams``, ``acceptance_threshold``, ...): set by
     # the runner hook (vllm_specx.glue.runner_hook) right after construction.
@@ -134,6 +175,9 @@ class MTADProposer(SpecxDraftModelProposer):
         # Position P of the token each request's draft continues (last round), for
         # tests and debugging: the draft context is the request's tokens [0, P].
         self.last_sample_positions: torch.Tensor | None = None
+        self._slots: BeamKVSlots | None = None
+        # The model runner: its KV cache config locates the beams' scratch region.
+        self.model_runner = runner
 
     @property
     def num_beams(self) -> int:
@@ -220,38 +264,207 @@ class MTADProposer(SpecxDraftModelProposer):
                 return warp_logprobs(lg)
             return warp_logprobs(lg, md.temperature, md.top_k, md.top_p)
 
-        state = BeamSearchState.start(num_reqs, self.num_beams, logits.device)
-        state = state.step(warp(logits), greedy, generators)
-
         # The request's sequence length once its first j lookahead positions are filled:
         # the first pass's seq_lens, minus the rejected drafts still counted there
         # (padded drafter batch), is P + 1.
         base_seq_lens = cad.seq_lens
         if num_rejected_tokens_gpu is not None:
             base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
-        tail = _TailWriter(self, cad, sample_positions, base_seq_lens, k)
-        tail_tokens = tail_passes = 0
-        for depth in range(1, k):
-            # Host copy once per depth: the pass layouts are built on the host anyway.
-            tails = state.tokens.to("cpu")  # [R, B, depth]
-            order = lexicographic_order(tails)
-            # Beams are fed to the selector one at a time: memory O(R * V), not O(R*B*V).
-            selector = state.selector(greedy, generators)
-            for i in range(self.num_beams):
-                beam_cpu = order[:, i]  # one beam per request in this pass
-                beam_tails = tails.gather(1, beam_cpu.view(-1, 1, 1).expand(-1, 1, depth))
-                beam_logits, n_tok, n_pass = tail.run(beam_tails.squeeze(1))
-                tail_tokens += n_tok
-                tail_passes += n_pass
-                selector.add(beam_cpu.to(logits.device), warp(beam_logits))
-            state = state.apply(selector.result())
-
-        draft_tokens, q = state.best()
+        b = self.num_beams
+        slots = self._beam_slots() if self.batched_beams else None
+        # Requests whose beams fit the scratch region at once (B = 1 needs none).
+        group_size = num_reqs if b == 1 else 0
+        if slots is not None and b > 1:
+            group_size = min(slots.requests_per_group(b, k), num_reqs)
+        forward: _BatchedBeamPasses | _SequentialBeamPasses
+        if group_size >= 1:
+            forward = _BatchedBeamPasses(
+                self, cad, sample_positions, base_seq_lens, k, b, slots, group_size, warp
+            )
+        else:
+            forward = _SequentialBeamPasses(self, cad, sample_positions, base_seq_lens, k, warp)
+        draft_tokens, q, _ = beam_search_batched(warp(logits), k, b, forward, greedy, generators)
         if mapping is not None:
             draft_tokens = mapping.map_draft_to_target_ids(draft_tokens)
         self._last_draft_probs = q.to(torch.float32).contiguous()
-        self.stats.record(num_reqs, k, self.num_beams, first_tokens, tail_tokens, tail_passes)
+        self.stats.record(
+            num_reqs, k, b, first_tokens, forward.tokens, forward.passes,
+            request_passes=num_reqs + forward.request_passes,
+            sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
+        )
         return draft_tokens
+
+    def _beam_slots(self) -> BeamKVSlots | None:
+        """The beams' KV slots (built once the KV cache exists), or None without a
+        scratch region (then the reason is logged once)."""
+        if self._slots is None:
+            self._slots = BeamKVSlots(self)
+            if not self._slots.usable and self.num_beams > 1:
+                logger.warning(
+                    "vllm-specx MTAD: one pass per beam (no per-beam KV slots: %s)",
+                    self._slots.reason,
+                )
+        return self._slots if self._slots.usable else None
+
+    def specx_stats(self) -> dict[str, Any]:
+        """The drafter's own counters for ``vllm-specx bench`` (``DrafterStats`` keys)."""
+        return self.stats.as_dict()
+
+
+class _BatchedBeamPasses:
+    """The beam search's model callback: depth j is one draft pass over every live beam
+    of every request, each beam in its own KV slot (see the module docstring).
+
+    Host-side bookkeeping on small [R, B] tensors: which slot each beam occupies and what
+    each slot holds, so a beam only feeds what its slot does not hold yet.
+    """
+
+    def __init__(
+        self,
+        proposer: MTADProposer,
+        cad: CommonAttentionMetadata,
+        sample_positions: torch.Tensor,
+        base_seq_lens: torch.Tensor,
+        k: int,
+        num_beams: int,
+        slots: BeamKVSlots | None,
+        group_size: int,
+        warp: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.p = proposer
+        self.lookahead = LookaheadPasses(proposer, cad, sample_positions, base_seq_lens)
+        self.cad = cad
+        self.sample_positions = sample_positions
+        self.k = k
+        self.num_beams = num_beams
+        self.slots = slots
+        self.warp = warp
+        n = cad.batch_size()
+        self.num_reqs = n
+        self.groups = [(lo, min(lo + group_size, n)) for lo in range(0, n, group_size)]
+        self.tables: torch.Tensor | None = None
+        if len(self.groups) == 1 and num_beams > 1 and k > 1 and slots is not None:
+            # All beams fit: one copy-on-write for the round, slots hold their tails
+            # from depth to depth.
+            self.tables = slots.beam_block_tables(
+                cad.block_table_tensor[:n], sample_positions, num_beams, k
+            )
+        self.held = torch.zeros(n, num_beams, max(k - 1, 1), dtype=torch.int64)
+        self.held_len = torch.zeros(n, num_beams, dtype=torch.int64)
+        self.slot_of = torch.zeros(n, 1, dtype=torch.int64)  # the empty beam: slot 0
+        self.max_tokens = proposer.max_num_tokens
+        self.tokens = self.passes = self.request_passes = 0
+
+    def __call__(self, state: BeamSearchState) -> BeamLogprobs:
+        n, b = self.num_reqs, self.num_beams
+        tails = state.tokens.to("cpu", torch.int64)  # [R, B, j]
+        j = tails.shape[2]
+        slot = assign_beam_slots(state.parents[-1].to("cpu"), self.slot_of)
+        self.slot_of = slot
+        live = torch.isfinite(state.scores).to("cpu")
+        slot_idx = slot.unsqueeze(2).expand(-1, -1, self.held.shape[2])
+        held = self.held.gather(1, slot_idx)
+        held_len = self.held_len.gather(1, slot)
+        start = tail_feed_start(
+            held.reshape(n * b, -1), held_len.reshape(-1), tails.reshape(n * b, j),
+            reuse=self.p.reuse_kv_prefix,
+        ).view(n, b)
+        if len(self.groups) > 1:
+            # Groups share the scratch region: a scratch slot holds nothing of its own
+            # beam any more when its group runs again.
+            start = torch.where(slot > 0, torch.zeros_like(start), start)
+        index = torch.full((n, b), -1, dtype=torch.int64)
+        hidden_parts: list[torch.Tensor] = []
+        count = 0
+        for lo, hi in self.groups:
+            tables = self.tables
+            if tables is None and b > 1 and self.slots is not None:
+                tables = self.slots.beam_block_tables(
+                    self.cad.block_table_tensor[lo:hi], self.sample_positions[lo:hi], b,
+                    self.k,
+                )
+                offset = lo
+            else:
+                offset = 0
+            sel = live[lo:hi].nonzero()  # [m, 2] (request - lo, beam), row-major
+            if sel.numel() == 0:
+                continue
+            req = sel[:, 0] + lo
+            beam = sel[:, 1]
+            beam_slot = slot[req, beam]
+            feed_start = start[req, beam]
+            rows_tails = tails[req, beam]
+            if tables is not None:
+                dev = tables.device
+                block_table = tables[(req - offset).to(dev), beam_slot.to(dev)]
+            else:
+                block_table = None
+            q_lens = j - feed_start
+            for a, c in split_rows_by_token_budget(q_lens, self.max_tokens):
+                hidden = self.lookahead.run(
+                    req[a:c], rows_tails[a:c], feed_start[a:c],
+                    block_table=None if block_table is None else block_table[a:c],
+                )
+                hidden_parts.append(hidden)
+                index[req[a:c], beam[a:c]] = torch.arange(count, count + (c - a))
+                count += c - a
+                self.passes += 1
+                self.request_passes += int(torch.unique(req[a:c]).numel())
+            self.tokens += int(q_lens.sum())
+            # What each fed slot holds now.
+            self.held[req, beam_slot, :j] = rows_tails
+            self.held_len[req, beam_slot] = j
+        hidden_all = torch.cat(hidden_parts, 0) if hidden_parts else None
+        model = self.p.model
+        warp = self.warp
+
+        def beam_logprobs(beam: torch.Tensor) -> torch.Tensor:
+            idx = index.gather(1, beam.to("cpu").view(-1, 1)).squeeze(1)
+            fed = idx >= 0
+            if hidden_all is None:
+                raise RuntimeError("MTAD: no live beam was fed at this depth")
+            dev = hidden_all.device
+            picked = model.compute_logits(hidden_all[idx.clamp(min=0).to(dev)])
+            # Dead beams' rows: any finite values (their -inf scores keep them out).
+            picked = picked.masked_fill(~fed.to(dev).unsqueeze(1), 0.0)
+            return warp(picked)
+
+        return beam_logprobs
+
+
+class _SequentialBeamPasses:
+    """The beam search's model callback without per-beam KV slots: every beam's tail is
+    rebuilt in the request's own lookahead slots, one pass per beam (lazily, when the
+    search asks for that beam's log-probs: siblings come back to back, see
+    ``beam_search_batched``)."""
+
+    def __init__(
+        self,
+        proposer: MTADProposer,
+        cad: CommonAttentionMetadata,
+        sample_positions: torch.Tensor,
+        base_seq_lens: torch.Tensor,
+        k: int,
+        warp: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.tail = _TailWriter(proposer, cad, sample_positions, base_seq_lens, k)
+        self.warp = warp
+        self.num_reqs = cad.batch_size()
+        self.tokens = self.passes = self.request_passes = 0
+
+    def __call__(self, state: BeamSearchState) -> BeamLogprobs:
+        tails = state.tokens.to("cpu")  # [R, B, j]
+        j = tails.shape[2]
+
+        def beam_logprobs(beam: torch.Tensor) -> torch.Tensor:
+            pick = beam.to("cpu").view(-1, 1, 1).expand(-1, 1, j)
+            logits, n_tok, n_pass = self.tail.run(tails.gather(1, pick).squeeze(1))
+            self.tokens += n_tok
+            self.passes += n_pass
+            self.request_passes += self.num_reqs
+            return self.warp(logits)
+
+        return beam_logprobs
 
 
 class _TailWriter:
@@ -273,7 +486,7 @@ class _TailWriter:
         k: int,
     ) -> None:
         self.p = proposer
-        self.passes = LookaheadPasses(proposer, cad, sample_positions, base_seq_lens)
+        self.lookahead = LookaheadPasses(proposer, cad, sample_positions, base_seq_lens)
         self.num_reqs = cad.batch_size()
         # Tokens whose KV sits in the lookahead slots P+1.. (valid for the first
         # `held_len` of them); nothing is held at the start of a round.
@@ -292,7 +505,7 @@ class _TailWriter:
         logits_parts = []
         for lo, hi in split_rows_by_token_budget(q_lens, self.max_tokens):
             rows = torch.arange(lo, hi, dtype=torch.int64)
-            hidden = self.passes.run(rows, tails_cpu[lo:hi], start[lo:hi])
+            hidden = self.lookahead.run(rows, tails_cpu[lo:hi], start[lo:hi])
             logits_parts.append(self.p.model.compute_logits(hidden))
         tokens, passes = int(q_lens.sum()), len(logits_parts)
         self.held[:, :j] = tails_cpu

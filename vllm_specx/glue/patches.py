@@ -17,6 +17,7 @@ from vllm_specx.config import (
     translate,
 )
 from vllm_specx.envflags import env_flag
+from vllm_specx.glue.beam_kv import BeamScratchReservation
 from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.methods import METHODS
 
@@ -204,6 +205,7 @@ ALL_PATCHES: tuple[VllmPatch, ...] = (
     SpecMethodChoices(),
     SpecxOnV1Runner(),
     RunnerSpecxComponents(),
+    BeamScratchReservation(),
 )
 
 

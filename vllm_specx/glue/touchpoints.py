@@ -18,6 +18,7 @@ Patches (name -- scope -- what in vLLM changes):
 * spec_method_cli_choices -- always -- ``EngineArgs.add_cli_args``
 * specx_selects_v1_runner -- always -- ``VllmConfig._get_v2_model_runner_unsupported_features``
 * runner_specx_components -- always -- ``GPUModelRunner.__init__`` (when vLLM imports it)
+* mtad_beam_scratch_reservation -- always -- ``Scheduler.__init__`` (when vLLM imports it)
 * cpu_adapter_compute_slot_mapping_kernel -- cpu-reference --
   ``cpu_triton_utils._compute_slot_mapping_kernel_impl``
 * cpu_adapter_expand_kernel -- cpu-reference -- ``cpu_triton_utils._expand_kernel_impl``
@@ -268,6 +269,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "persistent embeddings buffer (multimodal drafts)"),
     PrivateName(_DRAFTER, "eplb_state", "instance attribute", _DRAFT_GLUE,
                 "expert-load bookkeeping run before each draft forward"),
+    PrivateName(_DRAFTER, "_draft_attn_layer_names", "instance attribute",
+                ("vllm_specx/glue/beam_kv.py",),
+                "the draft's attention layers, whose caches get the beams' partial-block copies"),
     PrivateName("vllm.v1.attention.backend:CommonAttentionMetadata",
                 "_num_computed_tokens_cache", "field", _DRAFT_GLUE,
                 "cleared when a draft pass rebuilds the metadata for other rows"),
