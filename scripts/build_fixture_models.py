@@ -19,16 +19,17 @@ Pipeline (each step is a ``--stage``; later stages read what earlier ones left b
     random 256-token windows of the train stream, with ``vllm-specx distill``'s window sampler
     and training loop (``vllm_specx.training``: one training code path for every model).
 ``distill``
-    Self-distillation data as in seed 004, in miniature, by ``vllm-specx distill --stop-after
-    data`` (the command users run): the target answers snippets of TRAIN files (stdlib
-    references in the work dir, chosen like the head's) in vLLM at temperatures 0, 0.3, 0.7
-    and 1.0 (pure temperature sampling, no top-k/top-p).
+    ``vllm-specx distill --stop-after data`` (the command users run) up to its data stage:
+    pretrain a 2-layer, hidden-128 Llama draft (size ``small``) on the train files (linked
+    into the work dir as its ``--corpus``), then self-distillation data as in seed 004, in
+    miniature: the target answers snippets of TRAIN files (stdlib references in the work dir,
+    chosen like the head's) in vLLM at temperatures 0, 0.3, 0.7 and 1.0 (pure temperature
+    sampling, no top-k/top-p).
 ``draft``
-    The rest of the same ``vllm-specx distill`` command: pretrain a 2-layer, hidden-128 Llama
-    draft (size ``small``) on the train files (linked into the work dir as its ``--corpus``),
-    then finetune it on the target's answers (loss on the generated tokens only). distill's
-    stages are resumable: a rerun reuses the data and a pretrained draft whose inputs did not
-    change. Its held-out report lands in ``REPORT.json`` (``stages.draft.distill_heldout``).
+    The rest of the same ``vllm-specx distill`` command (its finished stages are skipped):
+    finetune the pretrained draft on the target's answers (loss on the generated tokens
+    only), write ``draft/`` and distill's held-out report, which lands in ``REPORT.json``
+    (``stages.draft.distill_heldout``).
 ``head``
     Train the SpecDec++ acceptance head for the pair with ``vllm-specx train-head`` (the same
     command users run): training prompts are snippets of TRAIN files chosen the way the
@@ -52,12 +53,15 @@ live in ``--work-dir`` (default ``.cache/fixture_build``, git-ignored).
 
 Runtime (measured on the project's 2-core machine shared with other jobs, 1 torch thread, bf16
 autocast): 12-25 minutes of wall time for the full build, depending on the load from other
-jobs (load average 3-8): tokenizer ~15 s, target 8-16 min, distill ~1 min, draft 3-5 min,
-report ~0.5 min; plus head 9-15 min (9.5 min at load average 20, 13.5 at 12: mostly the
+jobs (load average 3-8): tokenizer ~15 s, target 8-16 min, distill + draft 4-6 min (the
+draft's training 3-5 min, the target's answers in vLLM ~1 min; measured before both moved
+into ``vllm-specx distill``, whose full-size run has not been re-timed), report ~0.5 min;
+plus head 9-15 min (9.5 min at load average 20, 13.5 at 12: mostly the
 target's generation in vLLM). The last full build's wall time, the load average at its start
 and every stage's time are in ``REPORT.json``. One torch thread on purpose: on the shared
 machine two OpenMP threads ran 2-3x slower than one. ``--quick`` trains a toy pair for a
-few steps (about 5-20 s) and is meant for smoke tests into a temporary ``--out``.
+few steps (about 1.5 min, most of it starting vLLM for the distillation data) and is meant for
+smoke tests into a temporary ``--out``.
 
 Determinism: every random choice comes from a fixed seed (``--seed``, default 1234): file split
 and snippet choice hash the relative path, batches and sampling use seeded
@@ -673,8 +677,9 @@ def run_specx(argv: list[str], label: str) -> None:
 
 
 def stage_distill(cfg: BuildConfig, paths: Paths) -> None:
-    """Self-distillation data as in seed 004: ``vllm-specx distill --stop-after data`` (the
-    target answers train-file snippets in vLLM at temperatures 0, 0.3, 0.7 and 1.0)."""
+    """``vllm-specx distill --stop-after data``: the draft's pretraining on the train files,
+    then the self-distillation data of seed 004 (the target answers train-file snippets in
+    vLLM at temperatures 0, 0.3, 0.7 and 1.0)."""
     t0 = time.time()
     refs = distill_prompt_refs(cfg)
     paths.work.mkdir(parents=True, exist_ok=True)
@@ -696,9 +701,9 @@ def stage_distill(cfg: BuildConfig, paths: Paths) -> None:
 
 
 def stage_draft(cfg: BuildConfig, paths: Paths) -> None:
-    """``vllm-specx distill`` itself (the data of stage distill is reused, and so is a
-    pretrained draft whose inputs did not change): pretrain on the train files, finetune
-    on the target's answers, write ``draft/`` and distill's held-out report."""
+    """``vllm-specx distill`` itself (the pretrained draft and the data of stage distill are
+    reused when their inputs did not change): finetune on the target's answers, write
+    ``draft/`` and distill's held-out report."""
     t0 = time.time()
     argv = distill_argv(cfg, paths)
     run_specx(argv, "draft")

@@ -1,20 +1,21 @@
 """Train a draft model for a target by self-distillation: ``vllm-specx distill``.
 
 Recipe (seed 004, "specialized drafters"): the drafter that decides the speed-up is the one
-trained on what the target itself says. Stages, each resumable (a stage whose completion
-marker exists in the work directory is skipped, so an interrupted run continues where it
-stopped):
+trained on what the target itself says. Stages, in the order they run, each resumable (a
+stage whose completion marker in the work directory records the same inputs is skipped, so
+an interrupted run continues where it stopped):
 
+``pretrain`` (only with a corpus)
+    Language-model training on random windows of raw text (every file of the corpus,
+    tokenized with the target's tokenizer, bos + tokens + eos per file), each window
+    ``bos + seq_len - 1`` tokens, so "bos" means "start of context" as at inference.
 ``data``
     The target answers the prompts in the real vLLM engine at every temperature (default
     0, 0.3, 0.7, 1.0; :func:`~vllm_specx.training.data.generate_responses`, shared with
     ``train-head``). A seeded fraction of the PROMPTS is held out (all of its responses), for
     the report only. With ``finetune_steps == 0`` (a raw-text-only drafter, the baseline of
-    seed 004's comparison) only the held-out prompts are answered.
-``pretrain`` (only with a corpus)
-    Language-model training on random windows of raw text (every file of the corpus,
-    tokenized with the target's tokenizer, bos + tokens + eos per file), each window
-    ``bos + seq_len - 1`` tokens, so "bos" means "start of context" as at inference.
+    seed 004's comparison) only the held-out prompts are answered (or a distilled run's data
+    is reused: its held-out answers are the same requests, which come first).
 ``finetune``
     Training on the target's continuations of the training prompts (loss on the generated
     tokens only, prompt tokens are context), then the drafter is written to the output
@@ -53,7 +54,9 @@ from torch import nn
 
 from vllm_specx.training.data import Response
 
-STAGES = ("data", "pretrain", "finetune", "report")
+# In the order they run: pretraining needs no data, so it runs (and can be stopped after)
+# before the target's engine starts.
+STAGES = ("pretrain", "data", "finetune", "report")
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 EMBED_INITS = ("random", "target")
 AUTOCAST_MODES = ("auto", "bf16", "off")
@@ -443,9 +446,20 @@ def train_lm(model: nn.Module, tensors: tuple[torch.Tensor, ...], *, steps: int,
     return {
         "steps": steps, "batch": batch, "peak_lr": lr, "rows": n,
         "supervised_tokens_per_epoch": int((tensors[-1] != -100).sum()),
+        # Rows end at their last label; the mean length times rows trained is the work done.
+        "positions_trained": int(steps * batch * _mean_row_length(tensors[-1])),
         "final_train_loss": round(history[-1]["train_loss"], 4),
         "seconds": round(time.time() - t0, 1),
     }
+
+
+def _mean_row_length(labels: torch.Tensor) -> float:
+    """Mean number of positions per row up to and including its last label."""
+    has = labels != -100
+    last = torch.where(has.any(dim=1),
+                       labels.shape[1] - has.flip(1).int().argmax(dim=1),
+                       torch.zeros(labels.shape[0], dtype=torch.long))
+    return float(last.float().mean())
 
 
 def _autocast_on(options: DistillOptions) -> bool:
@@ -641,6 +655,13 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
     markers["report"] = out / "REPORT.json"
 
     def done(stage: str) -> dict[str, Any] | None:
+        if stage == "data" and not inputs["data"]["train_prompts_answered"]:
+            # A raw-text-only run needs only the held-out answers: data that answered the
+            # training prompts too holds exactly those (held-out requests come first, with
+            # the same seeds), so a copy of a distilled run's data serves its baseline.
+            superset = {**inputs["data"], "train_prompts_answered": True}
+            if _stage_done(markers["data"], superset) is not None:
+                return _stage_done(markers["data"])
         return _stage_done(markers[stage], inputs[stage], log)
 
     def finish(stage: str, info: dict[str, Any]) -> None:
@@ -658,6 +679,36 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
     bos_id = bos_id if bos_id is not None else (tok.bos_token_id if tok.bos_token_id
                                                   is not None else eos_id)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id or 0)
+
+    # ---- pretrain ----------------------------------------------------------------------
+    pre_dir = work / "pretrain"
+    pretrained = None
+    if inputs["pretrain"]["steps"] > 0:
+        pretrained = done("pretrain")
+        if pretrained is not None:
+            log(f"distill: stage pretrain done before ({pretrained['steps']} steps), skipped")
+        else:
+            t0 = time.time()
+            assert job.corpus is not None
+            files = corpus_files(job.corpus)
+            stream = corpus_stream(files, tok, bos_id, eos_id)
+            windows = stream_windows(stream, options.seq_len,
+                                     options.pretrain_steps * options.pretrain_batch,
+                                     options.seed + 1, bos_id)
+            model = _start_model(job, options)
+            log(f"distill: pretrain: {param_count(model):,} parameters on {len(files)} corpus "
+                f"files, {stream.numel():,} tokens")
+            pretrained = train_lm(model, (windows, windows), steps=options.pretrain_steps,
+                                  batch=options.pretrain_batch, lr=options.pretrain_lr,
+                                  seed=options.seed + 2, options=options, desc="pretrain",
+                                  progress=progress, log=log)
+            pretrained.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
+                              seconds=round(time.time() - t0, 1))
+            # Kept in float32: the next stage continues from it.
+            save_draft(model, pre_dir, job.target, "float32")
+            finish("pretrain", pretrained)
+    if stop_after == "pretrain":
+        return pretrained or {}
 
     # ---- data --------------------------------------------------------------------------
     data_file = work / "data.pt"
@@ -703,36 +754,6 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
     data = torch.load(data_file)
     train_responses = [Response(**r) for r in data["train"]]
     heldout_responses = [Response(**r) for r in data["heldout"]]
-
-    # ---- pretrain ----------------------------------------------------------------------
-    pre_dir = work / "pretrain"
-    pretrained = None
-    if inputs["pretrain"]["steps"] > 0:
-        pretrained = done("pretrain")
-        if pretrained is not None:
-            log(f"distill: stage pretrain done before ({pretrained['steps']} steps), skipped")
-        else:
-            t0 = time.time()
-            assert job.corpus is not None
-            files = corpus_files(job.corpus)
-            stream = corpus_stream(files, tok, bos_id, eos_id)
-            windows = stream_windows(stream, options.seq_len,
-                                     options.pretrain_steps * options.pretrain_batch,
-                                     options.seed + 1, bos_id)
-            model = _start_model(job, options)
-            log(f"distill: pretrain: {param_count(model):,} parameters on {len(files)} corpus "
-                f"files, {stream.numel():,} tokens")
-            pretrained = train_lm(model, (windows, windows), steps=options.pretrain_steps,
-                                  batch=options.pretrain_batch, lr=options.pretrain_lr,
-                                  seed=options.seed + 2, options=options, desc="pretrain",
-                                  progress=progress, log=log)
-            pretrained.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
-                              seconds=round(time.time() - t0, 1))
-            # Kept in float32: the next stage continues from it.
-            save_draft(model, pre_dir, job.target, "float32")
-            finish("pretrain", pretrained)
-    if stop_after == "pretrain":
-        return pretrained or {}
 
     # ---- finetune (and save) -----------------------------------------------------------
     info = done("finetune")
