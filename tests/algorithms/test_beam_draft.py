@@ -514,3 +514,40 @@ def test_recompute_tail_cost():
     assert recompute_tail_cost(4, 4) == 4 * (1 + 2 + 3)
     assert recompute_tail_cost(1, 2) == 1
     assert recompute_tail_cost(8, 1) == 0
+
+
+@pytest.mark.parametrize(
+    "vocab,num_beams,depth,top_k",
+    [(5, 1, 3, None), (6, 3, 4, None), (4, 4, 3, 2), (7, 8, 2, 3), (5, 2, 1, None)],
+)
+def test_batched_search_with_a_model_callback_matches_slow_reference(
+    vocab, num_beams, depth, top_k
+):
+    """beam_search_batched (the in-vLLM drafter's search: one model call per depth, beams
+    fed to the selector one at a time) drafts what the slow reference drafts on greedy
+    rows, with the same per-token q."""
+    from vllm_specx.algorithms.beam_draft import beam_search_batched
+
+    rows = 4
+    model = TableModel(rows, vocab, seed=vocab * 7 + num_beams, top_k=top_k)
+    greedy = torch.ones(rows, dtype=torch.bool)
+    calls = []
+
+    def forward(state):
+        calls.append(state.tokens.shape)
+        lp = model.batched(state.tokens)  # [R, B, V]
+
+        def beam_logprobs(beam):
+            return lp[torch.arange(rows), beam]
+
+        return beam_logprobs
+
+    first = model.batched(torch.zeros(rows, 1, 0, dtype=torch.long))[:, 0]
+    tokens, q, _ = beam_search_batched(first, depth, num_beams, forward, greedy)
+    assert len(calls) == depth - 1  # one model call (one draft pass) per depth after the first
+    for r in range(rows):
+        want_t, want_q = ref_beam_search_one(
+            lambda prefix, r=r: model.row_lp(r, prefix), num_beams, depth, None
+        )
+        assert tokens[r].tolist() == want_t
+        assert q[r].tolist() == pytest.approx(want_q, abs=1e-6)

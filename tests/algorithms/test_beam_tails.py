@@ -138,3 +138,60 @@ def test_split_rows_edge_cases():
     assert split_rows_by_token_budget(torch.tensor([2, 2, 2]), 4) == [(0, 2), (2, 3)]
     assert split_rows_by_token_budget(torch.tensor([9, 1, 1]), 4) == [(0, 1), (1, 3)]
     assert split_rows_by_token_budget(torch.tensor([1, 1, 1]), 100) == [(0, 3)]
+
+
+# --------------------------------------------------------------------------------------
+# Batched drafting: slots and spans
+# --------------------------------------------------------------------------------------
+
+
+def ref_span(k: int, block_size: int) -> int:
+    """Most distinct blocks of positions P+1..P+K-1 over every offset of P+1 in a block."""
+    if k <= 1:
+        return 0
+    return max(
+        len({(start + i) // block_size for i in range(k - 1)}) for start in range(block_size)
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16, 32])
+def test_tail_span_blocks_is_the_worst_offset(block_size):
+    from vllm_specx.algorithms.beam_tails import beam_tail_span_blocks
+
+    for k in range(1, 20):
+        assert beam_tail_span_blocks(k, block_size) == ref_span(k, block_size), k
+
+
+def ref_assign(parents: list[int], parent_slots: list[int], beams: int) -> list[int]:
+    """One row: each beam in order takes its parent's slot if still free; the others then
+    take the free slots in increasing order."""
+    slots: list[int | None] = []
+    taken: set[int] = set()
+    for p in parents:
+        s = parent_slots[p]
+        if s not in taken:
+            taken.add(s)
+            slots.append(s)
+        else:
+            slots.append(None)
+    free = [s for s in range(beams) if s not in taken]
+    return [s if s is not None else free.pop(0) for s in slots]
+
+
+def test_assign_beam_slots_matches_reference_and_is_a_permutation():
+    from vllm_specx.algorithms.beam_tails import assign_beam_slots
+
+    g = torch.Generator().manual_seed(0)
+    for beams in (1, 2, 3, 4, 8):
+        rows = 6
+        parents = torch.randint(0, beams, (rows, beams), generator=g)
+        parent_slots = torch.stack([torch.randperm(beams, generator=g) for _ in range(rows)])
+        got = assign_beam_slots(parents, parent_slots)
+        for r in range(rows):
+            want = ref_assign(parents[r].tolist(), parent_slots[r].tolist(), beams)
+            assert got[r].tolist() == want
+            assert sorted(want) == list(range(beams))
+    # The first step: one empty beam in slot 0, B children -> slots 0..B-1 in order.
+    zeros = torch.zeros(2, 4, dtype=torch.long)
+    first = assign_beam_slots(zeros, zeros[:, :1])
+    assert first.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
