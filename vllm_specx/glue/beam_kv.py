@@ -11,7 +11,7 @@ its own KV slots for its tail. How (numbers in the README, "Draft cost"):
   per round, and the scheduler's accounting (admission, preemption, prefix caching) only
   ever sees blocks it owns. ``R = max_num_seqs * (B - 1) * span`` blocks, ``span`` the
   blocks one tail can touch (1 or 2 when ``K - 1 <= block_size``), capped at 1/8 of the
-  cache.
+  cache or, if more, what leaves room for ``max_num_seqs`` requests of ``max_model_len``.
 * **Per-beam block-table rows.** Beam slot 0 of a request is the request's own block-table
   row (the lookahead slots chain drafting writes, so B = 1 is chain drafting exactly).
   Slot s >= 1 gets a copy of that row whose blocks covering ``P+1 .. P+K-1`` point into
@@ -86,8 +86,14 @@ def beam_scratch_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
     from vllm_specx.algorithms.beam_tails import beam_tail_span_blocks
 
     per_request = (int(settings["num_beams"]) - 1) * beam_tail_span_blocks(int(k), block_size)
-    want = int(vllm_config.scheduler_config.max_num_seqs) * per_request
-    return min(want, int(kv_cache_config.num_blocks) // MAX_SCRATCH_SHARE)
+    max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+    want = max_num_seqs * per_request
+    # Take at most 1/8 of the cache, or more while the scheduler keeps room for
+    # max_num_seqs requests of max_model_len (small CPU caches, wide beams).
+    num_blocks = int(kv_cache_config.num_blocks)
+    full_requests = max_num_seqs * -(-int(vllm_config.model_config.max_model_len) // block_size)
+    cap = max(num_blocks // MAX_SCRATCH_SHARE, num_blocks - full_requests)
+    return max(0, min(want, cap))
 
 
 class BeamScratchReservation(VllmPatch):
