@@ -110,6 +110,11 @@ class MethodSpec:
     # reserves K placeholder slots per request before the drafts exist, so such a method
     # runs with synchronous scheduling (config translation turns async off).
     ragged_drafts: bool = False
+    # The proposer vLLM-Ascend's NPU runner builds for this method (a subclass of
+    # vLLM-Ascend's proposer base, driven through its ``_propose``), imported lazily.
+    # None: the drafter cannot run on Ascend NPUs yet, and the method is refused at start
+    # there (vllm_specx/glue/ascend.py; docs/ascend.md).
+    npu_proposer: ProposerFactory | None = None
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
@@ -237,6 +242,12 @@ def _adaptive_proposer() -> type:
     return AdaptiveProposer
 
 
+def _specx_mtp_npu_proposer() -> type:
+    from vllm_specx.glue.ascend import specx_mtp_npu_proposer
+
+    return specx_mtp_npu_proposer()
+
+
 def _requires_adaptive(knob: Knob) -> Knob:
     # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true`.
     return Knob(
@@ -292,6 +303,7 @@ METHODS: dict[str, MethodSpec] = {
                 )),
             ),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
+            npu_proposer=_specx_mtp_npu_proposer,  # vLLM-Ascend's MTP drafts, specx sampler
         ),
     )
 }

@@ -56,3 +56,50 @@ def check_vllm_version(installed: str | None = None) -> None:
             f"Install a supported vLLM (pip install 'vllm-specx[vllm]'), or set "
             f"{SKIP_ENV}=1 to load the plugin anyway."
         )
+
+
+def installed_version(distribution: str) -> str:
+    """The installed version of a distribution, or "unknown" (e.g. a source tree)."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# vLLM-Ascend/vLLM pairs the Ascend hooks (vllm_specx/glue/ascend.py) were run on an NPU
+# with. None yet: they were written against vllm-ascend main@182b75ea84 (2026-08-22),
+# which tracks vLLM 0.27.1, and checked with fakes of that source only.
+VERIFIED_ASCEND_PAIRS: tuple[tuple[str, str], ...] = ()
+
+
+def vllm_ascend_pair_note(ascend_version: str | None = None,
+                          vllm_version: str | None = None) -> str | None:
+    """One line when the installed vLLM-Ascend/vLLM pair is not one the Ascend hooks
+    were verified on (None when it is). Which vLLM-Ascend release pairs with which vLLM
+    release is vLLM-Ascend's choice (same X.Y.Z); this only says what is installed."""
+    from vllm_specx.glue.ascend import ASCEND_MIRROR
+
+    if ascend_version is None:
+        ascend_version = installed_version("vllm_ascend")
+    if vllm_version is None:
+        import vllm
+
+        vllm_version = vllm.__version__
+    if (ascend_version, vllm_version) in VERIFIED_ASCEND_PAIRS:
+        return None
+    mismatch = ""
+    try:
+        ascend_release = Version(ascend_version).release[:3]
+        if ascend_release != Version(vllm_version).release[:3]:
+            mismatch = (
+                f" (vLLM-Ascend {ascend_version} is made for vLLM "
+                f"{'.'.join(map(str, ascend_release))}, not {vllm_version})"
+            )
+    except InvalidVersion:
+        pass
+    return (
+        f"vllm-specx: the Ascend hooks were written against {ASCEND_MIRROR} and checked "
+        f"with fakes only; installed: vLLM-Ascend {ascend_version} with vLLM "
+        f"{vllm_version}{mismatch}. Their targets were found; their behaviour on this pair "
+        "is unverified: run the NPU checks in docs/ascend.md."
+    )

@@ -30,8 +30,10 @@ def test_installed_vllm_has_every_private_name():
 
 
 def test_every_patch_was_verified_on_the_installed_release():
+    # ascend patches name the vLLM-Ascend source they were read against (tests/ascend).
     unverified = [f"{p.name} (verified on {', '.join(p.verified_on) or 'nothing'})"
-                  for p in touchpoints.patches() if VLLM not in p.verified_on]
+                  for p in touchpoints.patches()
+                  if VLLM not in p.verified_on and p.scope != touchpoints.ASCEND]
     assert unverified == [], (
         f"vLLM {VLLM}: do the upgrade checklist in vllm_specx/glue/touchpoints.py for "
         f"{unverified}"

@@ -192,7 +192,11 @@ class RunnerSpecxComponents(VllmPatch):
         def __init__(self_: Any, vllm_config: Any, device: Any, *args: Any, **kw: Any) -> None:
             original(self_, vllm_config, device, *args, **kw)
             settings = specx_settings(vllm_config)
-            if settings:
+            from vllm_specx.glue.ascend import runner_is_ascend
+
+            # vLLM-Ascend's runner runs this __init__ too; its own hooks (glue/ascend.py)
+            # install the NPU drafter and sampler in its _set_up_drafter.
+            if settings and not runner_is_ascend(self_):
                 from vllm_specx.glue.runner_hook import install_specx_components
 
                 install_specx_components(self_, settings)

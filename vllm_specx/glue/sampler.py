@@ -71,12 +71,7 @@ class SpecxRejectionSampler(RejectionSampler):
         if not self.is_processed_logprobs_mode:
             target_logits = target_logits.clone()
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
-        if target_logits.shape[0] > 0:
-            # vLLM 0.32's top-k path takes k.max() of the per-token k and crashes on a step
-            # where no request drafted; with nothing to warp there is nothing to do.
-            target_logits = apply_sampling_constraints(
-                target_logits, metadata.cu_num_draft_tokens, sampling_metadata
-            )
+        target_logits = self.apply_constraints(target_logits, metadata, sampling_metadata)
         output_token_ids = self._verify(metadata, draft_probs, target_logits,
                                         bonus_token_ids, sampling_metadata)
 
@@ -89,6 +84,19 @@ class SpecxRejectionSampler(RejectionSampler):
             )
         return SamplerOutput(sampled_token_ids=output_token_ids,
                              logprobs_tensors=logprobs_tensors)
+
+    def apply_constraints(self, target_logits: torch.Tensor, metadata: Any,
+                          sampling_metadata: Any) -> torch.Tensor:
+        """Temperature, top-k and top-p on the [T, V] target logits, as vLLM's
+        ``RejectionSampler`` applies them (the subclass for vLLM-Ascend's runner applies
+        vLLM-Ascend's instead: vllm_specx/glue/ascend.py)."""
+        if target_logits.shape[0] == 0:
+            # vLLM 0.32's top-k path takes k.max() of the per-token k and crashes on a step
+            # where no request drafted; with nothing to warp there is nothing to do.
+            return target_logits
+        return apply_sampling_constraints(
+            target_logits, metadata.cu_num_draft_tokens, sampling_metadata
+        )
 
     def _verify(self, metadata: Any, draft_probs: torch.Tensor | None,
                 target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
@@ -115,8 +123,10 @@ class SpecxRejectionSampler(RejectionSampler):
             is_greedy = sampling_metadata.temperature == GREEDY_TEMPERATURE
         # vLLM's own bonus token (its full sampler, greedy included) as a one-hot row,
         # so the rule emits exactly that token after a full accept.
-        bonus_probs = torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=device)
-        bonus_probs.scatter_(1, bonus_token_ids.view(-1, 1).long(), 1.0)
+        # Built by comparison, not scatter: the npu backend's device op list has no
+        # scatter (tests/ascend/test_npu_device_ops.py).
+        vocab_ids = torch.arange(vocab_size, device=device)
+        bonus_probs = (vocab_ids[None, :] == bonus_token_ids.view(-1, 1).long()).to(torch.float32)
 
         # Randomness drawn exactly as vLLM draws it (seeded generators honoured, and no
         # draws for requests without drafts, which keeps seeded runs reproducible).

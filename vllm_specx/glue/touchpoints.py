@@ -10,7 +10,11 @@ listed here with the same fields. ``scope`` says where each applies:
 * ``always`` -- every process that loads the plugin (vLLM calls ``plugin.register``);
 * ``cpu-reference`` -- vLLM on the CPU platform without its compiled CPU ops, i.e. when
   :mod:`vllm_specx.cpu_ops` registers the PyTorch reference ops;
-* ``bench`` -- during a ``vllm-specx bench`` run only, removed after it.
+* ``bench`` -- during a ``vllm-specx bench`` run only, removed after it;
+* ``ascend`` -- vLLM-Ascend's NPU runner: applied when vLLM-Ascend imports the target
+  module. Their targets are vLLM-Ascend's, checked against the fake vLLM-Ascend in
+  ``tests/ascend/fakes`` (mirrored from the commit in ``vllm_specx.glue.ascend``), not
+  against the installed vLLM; ``verified_on`` names that vLLM-Ascend source.
 
 Patches (name -- scope -- what in vLLM changes):
 
@@ -30,6 +34,9 @@ Patches (name -- scope -- what in vLLM changes):
 * bench_forward_timers -- bench -- the runner's models: hooks and a ``compute_logits``
   instance attribute
 * bench_propose_counter -- bench -- ``runner.drafter.propose`` (instance attribute)
+* ascend_specx_validation -- ascend -- ``NPUPlatform.check_and_update_config``
+* ascend_proposer_dispatch -- ascend -- ``NPUModelRunner._get_drafter``
+* ascend_specx_sampler -- ascend -- ``NPUModelRunner._set_up_drafter``
 
 **Private vLLM names** -- :data:`PRIVATE_NAMES`: every underscore name of vLLM (and the
 few names of vLLM objects' internals) that our code reads, calls, assigns or passes.
@@ -70,7 +77,8 @@ from vllm_specx.glue.patch_base import VERIFIED_RELEASES, VllmPatch
 ALWAYS = "always"
 CPU_REFERENCE = "cpu-reference"
 BENCH = "bench"
-SCOPES: tuple[str, ...] = (ALWAYS, CPU_REFERENCE, BENCH)
+ASCEND = "ascend"
+SCOPES: tuple[str, ...] = (ALWAYS, CPU_REFERENCE, BENCH, ASCEND)
 
 
 @dataclass(frozen=True)
@@ -140,10 +148,11 @@ OTHER_PATCHES: tuple[TouchPoint, ...] = (
 def _vllm_patch_registries() -> list[tuple[str, list[VllmPatch]]]:
     """Where each VllmPatch lives, with its objects (imports torch for the CPU ones)."""
     from vllm_specx.cpu_ops import kernel_overrides, vllm_fixes
-    from vllm_specx.glue import patches
+    from vllm_specx.glue import ascend, patches
 
     return [
         ("vllm_specx.glue.patches:ALL_PATCHES", list(patches.ALL_PATCHES)),
+        ("vllm_specx.glue.ascend:ASCEND_PATCHES", list(ascend.ASCEND_PATCHES)),
         ("vllm_specx.cpu_ops.kernel_overrides:PATCHES", list(kernel_overrides.PATCHES.values())),
         ("vllm_specx.cpu_ops.vllm_fixes:FIXES", list(vllm_fixes.FIXES.values())),
     ]
@@ -331,8 +340,8 @@ def missing_patch_targets(vllm_version: str) -> list[str]:
     """One line per VllmPatch whose target attribute the installed vLLM lacks."""
     problems = []
     for point in patches():
-        if point.vllm_attribute is None:
-            continue
+        if point.vllm_attribute is None or point.scope == ASCEND:
+            continue  # ascend: vLLM-Ascend's targets, checked in tests/ascend
         owner_path, _, attr = point.vllm_attribute.rpartition(".")
         if ":" not in owner_path:  # a module-level attribute: "module:attr"
             owner_path, attr = point.vllm_attribute.split(":", 1)

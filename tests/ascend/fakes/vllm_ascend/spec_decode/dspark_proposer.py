@@ -1,0 +1,8 @@
+"""Mirror of vllm_ascend/spec_decode/dspark_proposer.py: the class name and constructor."""
+
+
+class AscendDSparkProposer:
+    def __init__(self, vllm_config, device, runner):
+        self.vllm_config = vllm_config
+        self.device = device
+        self.runner = runner

@@ -1,0 +1,7 @@
+"""Mirror of vllm_ascend/spec_decode/suffix_proposer.py: the class name and constructor."""
+
+
+class AscendSuffixDecodingProposer:
+    def __init__(self, vllm_config, runner):
+        self.vllm_config = vllm_config
+        self.runner = runner

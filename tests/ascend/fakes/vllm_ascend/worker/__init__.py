@@ -1,0 +1,1 @@
+"""Fake vllm_ascend.worker (see tests/ascend/fakes/README.md)."""
