@@ -78,6 +78,19 @@ def test_exit_code_and_every_key(bench_run):
         assert cfg["warnings"] == []  # traces agree with vLLM's own counters
 
 
+def test_cpu_time_throughput(bench_run):
+    # In-process engines: the CPU seconds of the generation are counted and turned into
+    # tokens per CPU second and a speed-up against the baseline's.
+    _, _, report, _ = bench_run
+    base = report["configs"][0]
+    for cfg in report["configs"]:
+        assert cfg["cpu_s"] > 0
+        assert cfg["tokens_per_cpu_s"] == pytest.approx(cfg["generated_tokens"] / cfg["cpu_s"])
+        assert cfg["cpu_speedup"] == pytest.approx(
+            cfg["tokens_per_cpu_s"] / base["tokens_per_cpu_s"])
+    assert base["cpu_speedup"] == pytest.approx(1.0)
+
+
 def test_top_level_provenance(bench_run):
     _, _, report, pair = bench_run
     import vllm

@@ -71,6 +71,9 @@ FORMULAS = {
     "else drafted_tokens",
     "projected_tokens_per_s": "baseline tokens_per_s * projected_speedup",
     "measured_speedup": "tokens_per_s / baseline tokens_per_s",
+    "cpu_speedup": "tokens_per_cpu_s / baseline tokens_per_cpu_s; tokens_per_cpu_s = generated "
+    "tokens / CPU seconds of this process during generation (in-process engines only, else "
+    "null): unlike wall clock, it does not count waiting for a core on a shared machine",
     "model_time_speedup": "(baseline model seconds / its generated tokens) / (this run's "
     "target + draft model seconds / its generated tokens); model seconds = timed forward + "
     "compute_logits calls, engine overhead excluded",
@@ -250,6 +253,9 @@ def _entry(
             ),
             "forward_timing": {"target": target_t, "draft": draft_t,
                                "note": run.forward_times_note},
+            "cpu_s": run.cpu_s,
+            "tokens_per_cpu_s": _ratio_or_none(n, run.cpu_s),
+            "cpu_speedup": _cpu_speedup(run, n, baseline),
             "energy_j": run.energy_j,
             "energy_per_token_j": (run.energy_j / n if run.energy_j is not None and n else None),
             "engine_start_s": run.engine_start_s,
@@ -387,3 +393,16 @@ def _engine_settings(overrides: dict[str, Any]) -> dict[str, Any]:
     settings = engine_kwargs(**overrides)
     settings.setdefault("disable_log_stats", False)
     return {k: v for k, v in settings.items() if isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def _ratio_or_none(num: float, den: float | None) -> float | None:
+    return num / den if den else None
+
+
+def _cpu_speedup(run: RunResult, n: int, baseline: RunResult | None) -> float | None:
+    """Tokens per CPU second against the baseline's: the speed-up a machine with idle
+    cores would show, read off a shared one (in-process engines only)."""
+    if baseline is None or not baseline.cpu_s or not run.cpu_s or not n:
+        return None
+    base_n = sum(sum(t.step_tokens) for t in baseline.traces)
+    return (n / run.cpu_s) / (base_n / baseline.cpu_s)

@@ -93,6 +93,10 @@ class RunResult:
     # _ForwardTimer.close), or None when the timers could not be installed.
     forward_times: dict[str, dict[str, list[float]]] | None = None
     forward_times_note: str | None = None
+    # CPU seconds this process spent in the generation (an in-process engine only: then
+    # every engine and model thread is ours). On a shared machine it counts the work done,
+    # not the time spent waiting for a core, which wall_s also counts.
+    cpu_s: float | None = None
 
 
 def _specx_drafter_stats(worker: Any) -> dict[str, Any] | None:
@@ -498,7 +502,9 @@ def run_config(
             timers_note = f"forward timers not installed: {type(exc).__name__}: {exc}"
         if energy is not None:
             energy.start()
+        cpu_start = time.process_time()
         traces, steps, wall = _timed_generation(llm, prompts, sampling, desc)
+        cpu_s = time.process_time() - cpu_start if _in_process(llm) else None
         energy_j = energy.stop() if energy is not None else None
         forward_times = None
         if timers_note is None:
@@ -524,6 +530,7 @@ def run_config(
             energy_j=energy_j,
             forward_times=forward_times,
             forward_times_note=timers_note,
+            cpu_s=cpu_s,
         )
     finally:
         with contextlib.suppress(Exception):

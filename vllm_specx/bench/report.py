@@ -52,6 +52,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("oracle proj. speed-up", "oracle_projected_speedup", 3),
     ("model-time speed-up", "model_time_speedup", 3),
     ("wall speed-up", "measured_speedup", 3),
+    ("tok/CPU-s", "tokens_per_cpu_s", 1),
+    ("CPU-time speed-up", "cpu_speedup", 3),
 )
 
 
