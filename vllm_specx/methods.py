@@ -136,7 +136,7 @@ def _half_open_unit(v: float) -> bool:
 # B = 2 gives most of the perplexity drop of wider beams at a quarter of B = 8's draft
 # passes; tau = 0.1 (the paper's) accepts nearly as much as 0.05.
 NUM_BEAMS = Knob(
-    "num_beams", "int", 2, "an integer >= 1",
+    "num_beams", "int", 4, "an integer >= 1",
     "beam width B of the draft beam search (B = 1 is greedy/sampled chain drafting)",
     _int_at_least(1),
 )

@@ -149,7 +149,8 @@ def test_spec_flags_select_specx_methods(model_dir, monkeypatch):
     cfg = EngineArgs(model=model_dir, skip_tokenizer_init=True, spec_method="mtad",
                      spec_model=model_dir, spec_tokens=2).create_engine_config()
     assert cfg.speculative_config.method == "draft_model"
-    assert cfg.additional_config[SPECX_CONFIG_KEY]["num_beams"] == 2
+    # No num_beams given: the knob's default is filled in.
+    assert cfg.additional_config[SPECX_CONFIG_KEY]["num_beams"] == 4
 
 
 def test_unavailable_method_fails_at_engine_config(model_dir):
