@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -95,6 +96,95 @@ QUICK = MtpBuildConfig(
     hidden=64, layers=1, heads=1, intermediate=128, seq_len=64, target_steps=6,
     mtp_steps=6, eval_windows=4, agree_prompts=2, agree_new_tokens=8, log_every=2,
 )
+
+
+# The fixture pair's training loop and window sampler as they were when this fixture was
+# built (scripts/build_fixture_models.py at commit 7cf6cff): that script has since moved
+# its training to vllm_specx.training.distill, whose loop draws batches differently, so
+# the loop that made the committed weights is kept here to keep the build reproducible.
+def train_loop(
+    model: Any,
+    next_batch: Any,
+    steps: int,
+    lr: float,
+    cfg: Any,
+    label: str,
+) -> dict[str, Any]:
+    """AdamW with linear warm-up and cosine decay to 10% of the peak rate."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norm gains
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, int(cfg.warmup_frac * steps))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    model.train()
+    t0 = time.time()
+    tokens, ema, losses = 0, None, []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        input_ids, labels = next_batch(step)
+        # Mixed precision only for the matmuls (weights, grads and optimizer state stay fp32,
+        # and the saved models are fp32); on CPUs with AMX/AVX512-BF16 this is ~1.7x faster.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+            loss = model(input_ids=input_ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = float(loss.detach())
+        losses.append(value)
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        tokens += int((labels != -100).sum())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
+            dt = time.time() - t0
+            pair.log(
+                f"{label} step {step + 1}/{steps} loss {value:.3f} (ema {ema:.3f}) "
+                f"lr {lr_at(step):.2e} {tokens / dt:.0f} tok/s {dt:.0f}s"
+            )
+    model.eval()
+    tail = losses[-max(1, steps // 10) :]
+    return {
+        "steps": steps,
+        "peak_lr": lr,
+        "trained_tokens": tokens,
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "autocast": cfg.autocast,
+        "threads": cfg.threads,
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def window_sampler(stream: torch.Tensor, seq_len: int, batch: int, seed: int) -> Any:
+    """Random windows of the token stream, each bos + (seq_len - 1) tokens.
+
+    bos opens every window, not just every file: prompts at inference (vLLM, the tokenizer)
+    always start with bos and then usually continue mid-file, so bos has to mean "start of
+    context". Trained only at file starts, the first models answered every prompt with the
+    comment banner that opens a file.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    stream = stream.long()
+    bos = torch.zeros(1, dtype=torch.long)
+
+    def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, stream.numel() - seq_len, (batch,), generator=gen)
+        x = torch.stack([torch.cat([bos, stream[s : s + seq_len - 1]]) for s in starts.tolist()])
+        return x, x
+
+    return next_batch
 
 
 def pair_config(cfg: MtpBuildConfig, quick: bool) -> Any:
@@ -251,8 +341,8 @@ def stage_target(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict
     model = DeepseekV3ForCausalLM(deepseek_config(cfg, pcfg.vocab_size)).float()
     model.config._attn_implementation = "sdpa"
     pair.log(f"target: {pair.param_count(model):,} parameters")
-    sampler = pair.window_sampler(train_ids, cfg.seq_len, cfg.target_batch, cfg.seed + 2)
-    info = pair.train_loop(model, sampler, cfg.target_steps, cfg.target_lr, pcfg, "target")
+    sampler = window_sampler(train_ids, cfg.seq_len, cfg.target_batch, cfg.seed + 2)
+    info = train_loop(model, sampler, cfg.target_steps, cfg.target_lr, pcfg, "target")
     save_target(model, paths["target"])
     info.update(params=pair.param_count(model), batch=cfg.target_batch, seq_len=cfg.seq_len)
     return info
@@ -270,7 +360,7 @@ def stage_mtp(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict[st
     # layer that runs on the same kind of hidden state.
     mtp.block.load_state_dict(target.model.layers[-1].state_dict())
     train_ids = torch.load(paths["work"] / "train_ids.pt")
-    sampler = pair.window_sampler(train_ids, cfg.mtp_seq_len, cfg.mtp_batch, cfg.seed + 4)
+    sampler = window_sampler(train_ids, cfg.mtp_seq_len, cfg.mtp_batch, cfg.seed + 4)
 
     class Wrapped(torch.nn.Module):
         """train_loop's interface: model(input_ids, labels).loss."""
@@ -289,7 +379,7 @@ def stage_mtp(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict[st
             return type("Out", (), {"loss": loss})()
 
     wrapped = Wrapped()
-    info = pair.train_loop(wrapped, sampler, cfg.mtp_steps, cfg.mtp_lr, pcfg, "mtp")
+    info = train_loop(wrapped, sampler, cfg.mtp_steps, cfg.mtp_lr, pcfg, "mtp")
     weights = paths["target"] / "model.safetensors"
     state = load_file(str(weights))
     state.update(mtp_state_dict(mtp, target, target.config.num_hidden_layers))

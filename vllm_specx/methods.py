@@ -248,6 +248,12 @@ def _specx_mtp_npu_proposer() -> type:
     return specx_mtp_npu_proposer()
 
 
+def _mtp_proposer() -> type:
+    from vllm_specx.glue.mtp_proposer import MtpProposer
+
+    return MtpProposer
+
+
 def _requires_adaptive(knob: Knob) -> Knob:
     # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true`.
     return Knob(
@@ -303,6 +309,9 @@ METHODS: dict[str, MethodSpec] = {
                 )),
             ),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
+            proposer=_mtp_proposer,
+            available=True,
+            ragged_drafts=True,  # the adaptive stop drafts per-request lengths
             npu_proposer=_specx_mtp_npu_proposer,  # vLLM-Ascend's MTP drafts, specx sampler
         ),
     )

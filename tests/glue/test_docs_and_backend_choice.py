@@ -64,6 +64,6 @@ def test_methods_command_lists_methods_and_knobs():
     assert listed["mtad"]["available"] is True and listed["mtad"]["lossless"] is False
     assert listed["mtad"]["knobs"]["num_beams"]["allowed"] == "an integer >= 1"
     assert listed["adaptive"]["available"] is True and listed["adaptive"]["lossless"] is True
-    assert listed["specx_mtp"]["available"] is False
+    assert listed["specx_mtp"]["available"] is True and listed["specx_mtp"]["lossless"] is True
     text = subprocess.run([str(exe), "methods"], capture_output=True, text=True, timeout=120)
     assert defaults_table_markdown() in text.stdout

@@ -148,10 +148,27 @@ class _ForwardTimer:
         self.logits: list[tuple[Any, Any]] = []
         self._pending: tuple[Any, int] | None = None
         self.threads: set[int] = set()
-        self._handles = [
-            module.register_forward_pre_hook(self._pre, with_kwargs=True),
-            module.register_forward_hook(self._post, with_kwargs=True),
-        ]
+        # vLLM's @support_torch_compile replaces __call__ and, when not compiling, calls
+        # self.forward directly, so module hooks never fire (e.g. DeepSeekMTP, the drafter
+        # of mtp/specx_mtp): such a model gets its forward wrapped (an instance attribute
+        # that close() deletes) instead of hooks.
+        self._wrapped_forward = type(module).__call__ is not torch.nn.Module.__call__
+        self._handles = []
+        if self._wrapped_forward:
+            original_forward = module.forward
+
+            def timed_forward(*args: Any, **kwargs: Any) -> Any:
+                self._pre(module, args, kwargs)
+                out = original_forward(*args, **kwargs)
+                self._post(module, args, kwargs, out)
+                return out
+
+            module.forward = timed_forward
+        else:
+            self._handles = [
+                module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                module.register_forward_hook(self._post, with_kwargs=True),
+            ]
         self._wrapped = False
         original = getattr(module, "compute_logits", None)
         if callable(original):
@@ -193,6 +210,9 @@ class _ForwardTimer:
     def close(self) -> dict[str, list[float]]:
         for handle in self._handles:
             handle.remove()
+        if self._wrapped_forward:
+            with contextlib.suppress(AttributeError):
+                del self.module.forward
         if self._wrapped:
             with contextlib.suppress(AttributeError):
                 del self.module.compute_logits

@@ -47,6 +47,33 @@ def vllm_speculative_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
+def require_mtp_layers(target_model_config: Any) -> None:
+    """Refuse ``specx_mtp`` for a target without multi-token-prediction layers, in one line.
+
+    Asks vLLM's own MTP config mapping (``SpeculativeConfig.hf_config_override``, on a
+    copy): a target it gives MTP layers (``n_predict``) can draft; any other cannot, and
+    vLLM itself would fail later, inside the engine, with an unrelated message.
+    """
+    import copy
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    hf_config = copy.deepcopy(target_model_config.hf_config)
+    try:
+        n_predict = getattr(SpeculativeConfig.hf_config_override(hf_config), "n_predict", None)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        n_predict = None  # a config vLLM cannot map to an MTP drafter has no MTP layers
+    if n_predict:
+        return
+    model_type = getattr(target_model_config.hf_config, "model_type", "?")
+    raise SpecxConfigError(
+        f'speculative_config["method"] = "specx_mtp" is not allowed for model '
+        f"'{target_model_config.model}' (model_type '{model_type}'): it needs a target with "
+        "multi-token-prediction layers (config.json num_nextn_predict_layers >= 1, as in "
+        "DeepSeek-V3 or MiMo); for a target without them use 'adaptive' with a draft model."
+    )
+
+
 def specx_settings(vllm_config: Any) -> dict[str, Any] | None:
     """The specx settings carried in a VllmConfig, or None when no specx method is on."""
     extra = getattr(vllm_config, "additional_config", None)
@@ -109,6 +136,8 @@ class SpeculativeConfigTranslation(VllmPatch):
                     "on vLLM's V1 model runner only: unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
             method = result.specx_settings["method"]
+            if method == "specx_mtp":
+                require_mtp_layers(target_model_config)
             if METHODS[method].ragged_drafts:
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.

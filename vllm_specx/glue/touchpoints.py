@@ -291,6 +291,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),
                 "logprobs of verified tokens, computed exactly as vLLM does"),
+    # --- the specx_mtp drafter (a subclass of vLLM's EAGLE-style proposer) -----------
+    PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "hidden_states",
+                "instance attribute", ("vllm_specx/glue/mtp_proposer.py",),
+                "the MTP layer's hidden-state input buffer, filled before each lookahead pass"),
+    PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "model_returns_tuple", "attribute",
+                ("vllm_specx/glue/mtp_proposer.py",),
+                "whether the MTP model returns (pre-norm, post-norm) hidden states"),
     # --- the runner hook ------------------------------------------------------------------
     PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "drafter",
                 "instance attribute", ("vllm_specx/glue/runner_hook.py",),

@@ -1,0 +1,105 @@
+"""`specx_mtp` under chunked prefill and prefix caching: the MTP fixture as plain attention.
+
+vLLM turns chunked prefill and prefix caching off for MLA models on its CPU platform, so
+``test_mtp_engine.py`` (MLA) cannot reach them. Here the same checkpoint runs with
+``VLLM_MLA_DISABLE=1`` (DeepSeek attention without the latent cache, vLLM's ``CPU_ATTN``
+backend), where both are on: a prompt longer than the token budget is prefilled in
+chunks (the MTP layer drafts from chunked hidden states), and a repeated batch hits the
+prefix cache (the MTP layer's KV is cached with the target's). Greedy output must equal
+no speculation, with the adaptive stop on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+K = 4
+NEW_TOKENS = 24
+ENGINE_KW: dict[str, Any] = dict(
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,  # the 150-token prompt is prefilled in 3 chunks
+    enable_prefix_caching=True,
+    kv_cache_memory_bytes=8 * 2**20,
+    skip_tokenizer_init=True,
+    disable_log_stats=False,
+)
+SPEC = {"method": "specx_mtp", "num_speculative_tokens": K, "adaptive": True,
+        "confidence_threshold": 0.5}
+
+
+def _counter(llm: Any, name: str) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+def _ids(outputs: Any) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids)
+            for o in sorted(outputs, key=lambda o: int(o.request_id))]
+
+
+def _generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return _ids(llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                             use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def mla_disabled() -> Iterator[None]:
+    old = os.environ.get("VLLM_MLA_DISABLE")
+    os.environ["VLLM_MLA_DISABLE"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_MLA_DISABLE", None)
+    else:
+        os.environ["VLLM_MLA_DISABLE"] = old
+
+
+@pytest.fixture(scope="module")
+def runs(mla_disabled: None) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from vllm_specx.engine import make_llm, running_llm, shutdown_llm
+    from vllm_specx.fixtures import fixtures_root, heldout_prompts
+
+    target = str(fixtures_root() / "mtp_target")
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = heldout_prompts(6)
+    long = tok("\n".join(texts[:4]))["input_ids"][:150]
+    prompts = [long, *(tok(t)["input_ids"][:40] for t in texts[4:6])]
+    out: dict[str, Any] = {}
+    with running_llm(target, **ENGINE_KW) as llm:
+        out["plain"] = _generate(llm, prompts)
+    llm = make_llm(target, speculative_config=SPEC, **ENGINE_KW)
+    try:
+        config = llm.llm_engine.vllm_config
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        out["use_mla"] = config.model_config.use_mla
+        out["chunked"] = config.scheduler_config.enable_chunked_prefill
+        out["drafter"] = type(runner.drafter).__name__
+        out["spec"] = _generate(llm, prompts)
+        hits = _counter(llm, "vllm:prefix_cache_hits")
+        accepted = _counter(llm, "vllm:spec_decode_num_accepted_tokens")
+        out["again"] = _generate(llm, prompts)
+        out["prefix_hits"] = _counter(llm, "vllm:prefix_cache_hits") - hits
+        out["accepted_again"] = _counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted
+    finally:
+        shutdown_llm(llm)
+    return out
+
+
+def test_plain_attention_with_chunked_prefill_and_prefix_caching_is_exact(runs):
+    assert runs["use_mla"] is False and runs["chunked"] is True
+    assert runs["drafter"] == "MtpProposer"
+    assert runs["spec"] == runs["plain"]
+    assert runs["again"] == runs["plain"]
+    assert runs["prefix_hits"] > 0
+    assert runs["accepted_again"] > 0  # drafts kept being accepted after cache hits
