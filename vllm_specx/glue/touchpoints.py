@@ -31,8 +31,8 @@ Patches (name -- scope -- what in vLLM changes):
   ``CpuPlatform.register_triton_kernel_overrides``
 * cpu_reference_op_library -- cpu-reference -- ``torch.ops._C``: ops defined as a FRAGMENT
 * cpu_ops_namespace_guard -- cpu-reference -- ``type(torch.ops._C)`` swapped for a subclass
-* bench_forward_timers -- bench -- the runner's models: hooks and a ``compute_logits``
-  instance attribute
+* bench_forward_timers -- bench -- the runner's models: hooks (or a ``forward`` instance
+  attribute) and a ``compute_logits`` instance attribute
 * bench_propose_counter -- bench -- ``runner.drafter.propose`` (instance attribute)
 * ascend_specx_validation -- ascend -- ``NPUPlatform.check_and_update_config``
 * ascend_proposer_dispatch -- ascend -- ``NPUModelRunner._get_drafter``
@@ -126,7 +126,9 @@ OTHER_PATCHES: tuple[TouchPoint, ...] = (
         name="bench_forward_timers",
         scope=BENCH,
         target="the runner's target and draft model instances: forward pre/post hooks "
-        "and an instance attribute shadowing compute_logits",
+        "(or, for a @support_torch_compile model such as an MTP drafter, whose __call__ "
+        "skips hooks, an instance attribute shadowing forward) and an instance attribute "
+        "shadowing compute_logits",
         replaces="nothing: the originals run unchanged inside the timers",
         why="per-forward times of each model during the timed part of a bench run; "
         "removed when the run is collected",
