@@ -140,6 +140,12 @@ NUM_BEAMS = Knob(
     "beam width B of the draft beam search (B = 1 is greedy/sampled chain drafting)",
     _int_at_least(1),
 )
+GREEDY_DRAFTING = Knob(
+    "greedy_drafting", "str", "beam", '"beam" or "chain"',
+    "how greedy requests draft: the B-wide beam search's joint-best beam, or the argmax "
+    "chain (width 1; accepted more often at temperature 0, see the README)",
+    lambda v: v in ("beam", "chain"),
+)
 ACCEPTANCE_THRESHOLD = Knob(
     "acceptance_threshold", "float", 0.1, "a number in (0, 1]",
     "MTAD's tau: depth i is accepted when the joint target/draft likelihood ratio of the "
@@ -273,7 +279,7 @@ METHODS: dict[str, MethodSpec] = {
             lossless=False,
             needs_draft_model=True,
             default_num_speculative_tokens=4,
-            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, HETEROGENEOUS_VOCAB),
+            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, GREEDY_DRAFTING, HETEROGENEOUS_VOCAB),
             checks=(beam_positions_fit_device,),
             rule="mtad",
             proposer=_mtad_proposer,

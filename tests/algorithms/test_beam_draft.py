@@ -551,3 +551,30 @@ def test_batched_search_with_a_model_callback_matches_slow_reference(
         )
         assert tokens[r].tolist() == want_t
         assert q[r].tolist() == pytest.approx(want_q, abs=1e-6)
+
+
+def test_row_width_one_on_greedy_rows_is_the_argmax_chain():
+    """row_width = 1 keeps only the best beam of a greedy row: the B = 1 search's tokens
+    and q; rows left at full width are untouched."""
+    from vllm_specx.algorithms.beam_draft import beam_search_batched
+
+    rows, vocab, depth, num_beams = 3, 6, 4, 4
+    model = TableModel(rows, vocab, seed=11)
+    greedy = torch.ones(rows, dtype=torch.bool)
+    fed = []
+
+    def forward(state):
+        fed.append(torch.isfinite(state.scores).sum(dim=1).tolist())
+        lp = model.batched(state.tokens)
+        return lambda beam: lp[torch.arange(rows), beam]
+
+    first = model.batched(torch.zeros(rows, 1, 0, dtype=torch.long))[:, 0]
+    width = torch.tensor([1, num_beams, 1])
+    tokens, q, _ = beam_search_batched(first, depth, num_beams, forward, greedy, row_width=width)
+    chain, chain_q, _ = beam_search_batched(first, depth, 1, forward, greedy)
+    wide, wide_q, _ = beam_search_batched(first, depth, num_beams, forward, greedy)
+    for r in (0, 2):
+        assert tokens[r].tolist() == chain[r].tolist()
+        assert q[r].tolist() == pytest.approx(chain_q[r].tolist(), abs=1e-6)
+    assert tokens[1].tolist() == wide[1].tolist()
+    assert fed[0] == [1, num_beams, 1]  # a narrowed row keeps one live beam to feed

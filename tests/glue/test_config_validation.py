@@ -217,8 +217,8 @@ def test_mtad_translates_to_draft_model_with_defaults():
         "method": "draft_model", "model": "d", "num_speculative_tokens": 4,
     }
     assert result.specx_settings == {
-        "method": "mtad", "num_speculative_tokens": 4, "num_beams": 2,
-        "acceptance_threshold": 0.1,
+        "method": "mtad", "num_speculative_tokens": 4, "num_beams": 4,
+        "acceptance_threshold": 0.1, "greedy_drafting": "beam",
     }
 
 

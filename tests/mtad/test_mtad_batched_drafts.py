@@ -51,6 +51,7 @@ def test_batched_drafts_equal_one_pass_per_beam_and_reference(pair, k):
         g = torch.Generator().manual_seed(k)
         prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+        chain_rounds = None
         for b in (1, 2, 4, 8):
             engine.drafter.num_beams = b
             engine.drafter.batched_beams = False
@@ -77,5 +78,18 @@ def test_batched_drafts_equal_one_pass_per_beam_and_reference(pair, k):
             assert cost["draft_forward_passes"] == cost["requests"] * k
             if b > 1 and k > 1:  # what batching saves: 1 + B*(K-1) passes before
                 assert seq_cost["tail_forward_passes"] == seq_cost["rounds"] * b * (k - 1)
+            if b == 1:
+                chain_rounds = by_index
+        # greedy_chain: greedy rows of a B = 8 drafter draft the B = 1 chain, with its q.
+        engine.drafter.greedy_chain = True
+        try:
+            _, rounds, _ = run(engine, prompts, params)
+        finally:
+            engine.drafter.greedy_chain = False
+        by_index = {(int(r) % 4, p): v for (r, p), v in rounds.items()}
+        assert by_index.keys() == chain_rounds.keys()
+        for key, (tokens, q) in by_index.items():
+            assert tokens == chain_rounds[key][0], key
+            assert q == pytest.approx(chain_rounds[key][1], rel=1e-4, abs=1e-6), key
     finally:
         engine.close()

@@ -398,8 +398,13 @@ def beam_search_batched(
     forward: Callable[[BeamSearchState], BeamLogprobs],
     greedy: torch.Tensor,
     generators: Mapping[int, torch.Generator] | None = None,
+    row_width: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, BeamSearchState]:
     """MTAD's beam search with the draft model as a callback, one call per depth.
+
+    ``row_width`` [R] (optional): keep at most that many beams in row r; the others die
+    after every step. Width 1 on a greedy row is the argmax chain (greedy selection puts
+    the best continuation first), and its dead beams cost the callback nothing.
 
     ``first_logprobs`` [R, V]: the warped next-token log-probs after each row's context
     (the drafter's first pass). ``forward(state)`` is the model: it runs the draft over
@@ -423,7 +428,7 @@ def beam_search_batched(
         raise ValueError(f"depth must be >= 1, got {depth}")
     num_rows = first_logprobs.shape[0]
     state = BeamSearchState.start(num_rows, num_beams, first_logprobs.device)
-    state = state.step(first_logprobs, greedy, generators)
+    state = _narrow(state.step(first_logprobs, greedy, generators), row_width)
     for _ in range(1, depth):
         beam_logprobs = forward(state)
         order = lexicographic_order(state.tokens.to("cpu"))
@@ -431,9 +436,19 @@ def beam_search_batched(
         for i in range(state.width):
             beam = order[:, i].to(first_logprobs.device)
             selector.add(beam, beam_logprobs(beam))
-        state = state.apply(selector.result())
+        state = _narrow(state.apply(selector.result()), row_width)
     tokens, q = state.best()
     return tokens, q, state
+
+
+def _narrow(state: BeamSearchState, row_width: torch.Tensor | None) -> BeamSearchState:
+    """Kill the beams of each row past its width (selection order: best first)."""
+    if row_width is None:
+        return state
+    cols = torch.arange(state.width, device=state.scores.device)
+    dead = cols.unsqueeze(0) >= row_width.to(state.scores.device).unsqueeze(1)
+    state.scores = state.scores.masked_fill(dead, NEG_INF)
+    return state
 
 
 def recompute_tail_cost(num_beams: int, depth: int) -> int:

@@ -184,6 +184,16 @@ class MTADProposer(SpecxDraftModelProposer):
         """Beam width B, from the validated settings."""
         return int(self.settings["num_beams"])
 
+    @property
+    def greedy_chain(self) -> bool:
+        """Greedy rows draft the argmax chain (width 1) instead of the B-wide beam search
+        (``greedy_drafting: "chain"``; README "### MTAD": accepted more often at T = 0)."""
+        return self.settings.get("greedy_drafting", "beam") == "chain"
+
+    @greedy_chain.setter
+    def greedy_chain(self, value: bool) -> None:
+        self.settings = {**self.settings, "greedy_drafting": "chain" if value else "beam"}
+
     @num_beams.setter
     def num_beams(self, value: int) -> None:
         # Tests and the draft-cost script sweep B on one running engine.
@@ -283,7 +293,12 @@ class MTADProposer(SpecxDraftModelProposer):
             )
         else:
             forward = _SequentialBeamPasses(self, cad, sample_positions, base_seq_lens, k, warp)
-        draft_tokens, q, _ = beam_search_batched(warp(logits), k, b, forward, greedy, generators)
+        row_width = None
+        if self.greedy_chain and b > 1 and bool(greedy.any()):
+            row_width = torch.where(greedy, 1, b).to(logits.device)
+        draft_tokens, q, _ = beam_search_batched(
+            warp(logits), k, b, forward, greedy, generators, row_width=row_width
+        )
         if mapping is not None:
             draft_tokens = mapping.map_draft_to_target_ids(draft_tokens)
         self._last_draft_probs = q.to(torch.float32).contiguous()
