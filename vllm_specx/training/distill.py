@@ -261,7 +261,7 @@ def load_causal_lm(path: str | os.PathLike) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
     return model.eval()
 
 
@@ -299,7 +299,7 @@ def new_draft(target_dir: Path, shape: DraftShape, options: DistillOptions) -> n
 
     torch.manual_seed(options.seed)
     model = LlamaForCausalLM(draft_config(target_dir, shape, options)).float()
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
     if options.embed_init == "target":
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(
