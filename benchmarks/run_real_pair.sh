@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The README's "Real pair" table: SmolLM2-135M-Instruct (vllm-specx fetch-target) and the
+# shipped drafter (vllm_specx/models/smollm2_draft/), no speculation vs draft_model (K=1
+# and K=$K), mtad (K=$K, B=2) and adaptive (K=$K) on the held-out prompts
+# (vllm_specx/prompts/real_heldout.jsonl), T=0 and T=1, batch 1 and 8.
+# Usage: bash benchmarks/run_real_pair.sh [OUT_DIR]   (default: bench-out/real_pair)
+# Env:   K (default 2), DRAFT (default: the shipped drafter), NUM_PROMPTS (8), MAX_TOKENS (32)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+OUT="$(realpath -m "${1:-bench-out/real_pair}")"
+mkdir -p "$OUT"
+K="${K:-2}"
+DRAFT_ARGS=()
+if [ -n "${DRAFT:-}" ]; then DRAFT_ARGS=(--draft "$DRAFT"); fi
+CFGS=(--config '{"method":"draft_model","num_speculative_tokens":1,"name":"draft_model K=1"}'
+      --config "{\"method\":\"draft_model\",\"num_speculative_tokens\":$K,\"name\":\"draft_model K=$K\"}"
+      --config "{\"method\":\"mtad\",\"num_speculative_tokens\":$K,\"num_beams\":2,\"name\":\"mtad K=$K B=2\"}"
+      --config "{\"method\":\"adaptive\",\"num_speculative_tokens\":$K,\"name\":\"adaptive K=$K\"}")
+for B in 1 8; do for T in 0 1; do
+  vllm-specx bench --pair real ${DRAFT_ARGS[@]+"${DRAFT_ARGS[@]}"} --temperature "$T" \
+    --ignore-eos --no-plots --num-prompts "${NUM_PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-32}" \
+    --engine-args "{\"max_num_seqs\": $B, \"kv_cache_memory_bytes\": 268435456}" \
+    -o "$OUT/real_T${T}_b${B}.json" "${CFGS[@]}"
+done; done
