@@ -34,7 +34,6 @@ from their own ``torch.Generator``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +45,13 @@ from vllm_specx.algorithms.beam_draft import (
     gumbel_noise,
     warp_logprobs,
 )
-from vllm_specx.algorithms.draft_stop import DraftStopRule, make_stop_rule
-from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+from vllm_specx.algorithms.draft_stop import DraftStopRule
+from vllm_specx.glue.draft_passes import (
+    LookaheadPasses,
+    SpecxDraftModelProposer,
+    load_acceptance_head,
+    round_stop_rule,
+)
 
 
 @dataclass
@@ -156,26 +160,12 @@ class AdaptiveProposer(SpecxDraftModelProposer):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        head_dir = self.settings.get("acceptance_head")
-        if head_dir:
-            from vllm_specx.algorithms.acceptance_head import load_head
-
-            if not Path(head_dir).expanduser().exists():
-                # Config validation let it through as a hub id (org/name): fetch it the
-                # way vLLM fetches models, at engine start, not at the first request.
-                from huggingface_hub import snapshot_download
-
-                head_dir = snapshot_download(head_dir, allow_patterns=["*.json", "*.safetensors"])
-
-            dtype = next(self.model.parameters()).dtype
-            self.head = load_head(head_dir, device=self.device, dtype=dtype)
+        dtype = next(self.model.parameters()).dtype
+        self.head = load_acceptance_head(self.settings, self.device, dtype)
 
     def stop_rule(self, k_max: int) -> DraftStopRule:
-        """The round's rule. ``k_max`` is what the runner asks for this step (vLLM may ask
-        for fewer than the configured K), so ``min_speculative_tokens`` is clamped to it."""
-        settings = dict(self.settings, num_speculative_tokens=k_max)
-        settings["min_speculative_tokens"] = min(int(settings["min_speculative_tokens"]), k_max)
-        return make_stop_rule(settings, self.head, settings["confidence_signal"])
+        """The round's rule (``k_max``: what the runner asks for this step)."""
+        return round_stop_rule(self.settings, k_max, self.head)
 
     def specx_stats(self) -> dict[str, Any]:
         return self.stats.as_dict()

@@ -30,6 +30,43 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
+from vllm_specx.algorithms.draft_stop import DraftStopRule, make_stop_rule
+
+
+def load_acceptance_head(
+    settings: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module | None:
+    """The ``acceptance_head`` setting's head on the drafter's device and dtype, or None.
+
+    A directory that does not exist was let through by config validation as a hub id
+    (org/name): it is fetched here, at engine start, the way vLLM fetches models, not at
+    the first request."""
+    head_dir = settings.get("acceptance_head")
+    if not head_dir:
+        return None
+    from pathlib import Path
+
+    from vllm_specx.algorithms.acceptance_head import load_head
+
+    if not Path(head_dir).expanduser().exists():
+        from huggingface_hub import snapshot_download
+
+        head_dir = snapshot_download(head_dir, allow_patterns=["*.json", "*.safetensors"])
+    return load_head(head_dir, device=device, dtype=dtype)
+
+
+def round_stop_rule(
+    settings: dict[str, Any], k_max: int, head: torch.nn.Module | None
+) -> DraftStopRule:
+    """The adaptive stop rule for one round. ``k_max`` is what the runner asks for this step
+    (vLLM may ask for fewer than the configured K), so ``min_speculative_tokens`` is
+    clamped to it."""
+    round_settings = dict(settings, num_speculative_tokens=k_max)
+    round_settings["min_speculative_tokens"] = min(
+        int(round_settings["min_speculative_tokens"]), k_max
+    )
+    return make_stop_rule(round_settings, head)
+
 
 class SpecxDraftModelProposer(DraftModelProposer):
     """vLLM's ``DraftModelProposer`` with its first pass and its forward call exposed as

@@ -31,7 +31,6 @@ vLLM private names relied on (beyond those of ``draft_passes.py``): the proposer
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,9 +39,14 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
-from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule, make_stop_rule
+from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule
 from vllm_specx.glue.adaptive_proposer import AdaptiveDraftStats, _draw
-from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+from vllm_specx.glue.draft_passes import (
+    LookaheadPasses,
+    SpecxDraftModelProposer,
+    load_acceptance_head,
+    round_stop_rule,
+)
 
 
 class MtpProposer(EagleProposer):
@@ -76,26 +80,14 @@ class MtpProposer(EagleProposer):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        head_dir = self.settings.get("acceptance_head")
-        if head_dir:
-            from vllm_specx.algorithms.acceptance_head import load_head
-
-            if not Path(head_dir).expanduser().exists():
-                # Validated as a hub id: fetch it at engine start, as vLLM fetches models.
-                from huggingface_hub import snapshot_download
-
-                head_dir = snapshot_download(head_dir, allow_patterns=["*.json", "*.safetensors"])
-            dtype = next(self.model.parameters()).dtype
-            self.head = load_head(head_dir, device=self.device, dtype=dtype)
+        dtype = next(self.model.parameters()).dtype
+        self.head = load_acceptance_head(self.settings, self.device, dtype)
 
     def stop_rule(self, k_max: int) -> DraftStopRule:
-        """Fixed K without ``adaptive``; else the adaptive rule, ``min_speculative_tokens``
-        clamped to the K the runner asks for this step."""
+        """Fixed K without ``adaptive``; else the adaptive rule of the round."""
         if not self.settings.get("adaptive"):
             return AlwaysContinue(k_max)
-        settings = dict(self.settings, num_speculative_tokens=k_max)
-        settings["min_speculative_tokens"] = min(int(settings["min_speculative_tokens"]), k_max)
-        return make_stop_rule(settings, self.head)
+        return round_stop_rule(self.settings, k_max, self.head)
 
     def specx_stats(self) -> dict[str, Any]:
         return self.stats.as_dict()
