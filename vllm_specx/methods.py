@@ -141,7 +141,7 @@ NUM_BEAMS = Knob(
     _int_at_least(1),
 )
 GREEDY_DRAFTING = Knob(
-    "greedy_drafting", "str", "beam", '"beam" or "chain"',
+    "greedy_drafting", "str", "chain", '"beam" or "chain"',
     "how greedy requests draft: the B-wide beam search's joint-best beam, or the argmax "
     "chain (width 1; accepted more often at temperature 0, see the README)",
     lambda v: v in ("beam", "chain"),

@@ -139,6 +139,9 @@ def start_engine(
         "num_speculative_tokens": num_speculative_tokens,
         "num_beams": num_beams,
         "acceptance_threshold": acceptance_threshold,
+        # Greedy rows draft the B-wide beam search here (not the default argmax chain): the
+        # tests pin every row's beams against the transformers reference beam search.
+        "greedy_drafting": "beam",
         **(spec_extra or {}),
     }
     llm = make_llm(target, speculative_config=spec, **kwargs)

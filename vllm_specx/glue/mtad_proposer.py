@@ -85,6 +85,7 @@ from vllm_specx.algorithms.beam_tails import (
 )
 from vllm_specx.glue.beam_kv import BeamKVSlots
 from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+from vllm_specx.methods import GREEDY_DRAFTING
 
 logger = logging.getLogger("vllm.specx")
 
@@ -188,7 +189,7 @@ class MTADProposer(SpecxDraftModelProposer):
     def greedy_chain(self) -> bool:
         """Greedy rows draft the argmax chain (width 1) instead of the B-wide beam search
         (``greedy_drafting: "chain"``; README "### MTAD": accepted more often at T = 0)."""
-        return self.settings.get("greedy_drafting", "beam") == "chain"
+        return self.settings.get("greedy_drafting", GREEDY_DRAFTING.default) == "chain"
 
     @greedy_chain.setter
     def greedy_chain(self, value: bool) -> None:
@@ -286,6 +287,13 @@ class MTADProposer(SpecxDraftModelProposer):
         group_size = num_reqs if b == 1 else 0
         if slots is not None and b > 1:
             group_size = min(slots.requests_per_group(b, k), num_reqs)
+            if self.device.type != "cpu":
+                # GPU attention builders size per-request buffers by max_num_seqs (FlashInfer's
+                # indptr, full-CUDA-graph metadata): a pass over group_size * B beam rows must
+                # not exceed it. The CPU builders have no such buffers (tests run B=8 beams of
+                # 4 requests at max_num_seqs=4). Unverified on a GPU: a guard, not a tuning.
+                # Fewer rows than one request's beams: one pass per beam (rows = requests).
+                group_size = min(group_size, self.max_batch_size // b)
         forward: _BatchedBeamPasses | _SequentialBeamPasses
         if group_size >= 1:
             forward = _BatchedBeamPasses(
