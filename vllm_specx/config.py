@@ -60,6 +60,11 @@ def _bad(key: str, value: Any, allowed: str, method: str | None = None) -> Specx
     )
 
 
+# The same one-line refusal for checks that run later, where vLLM's config is known
+# (glue/patches.py: the target's hidden size for a specx_mtp acceptance head).
+refusal_error = _bad
+
+
 _KIND_NAMES = {str: "a string", list: "a list", tuple: "a list", int: "a number",
                float: "a number", bool: "a boolean"}
 
@@ -253,7 +258,13 @@ def read_safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
-def acceptance_head_problem(head: str, *, draft_model: str | None) -> str | None:
+def acceptance_head_problem(
+    head: str,
+    *,
+    draft_model: str | None,
+    hidden_size: int | None = None,
+    whose: str = "the draft model's",
+) -> str | None:
     """Why an acceptance head does not exist or does not fit the draft model (what is
     allowed instead), or None when it is acceptable.
 
@@ -275,9 +286,9 @@ def acceptance_head_problem(head: str, *, draft_model: str | None) -> str | None
         return ("a head whose output layer has shape [2, hidden] "
                 f"(found {sorted(shapes.items())[:4]})")
     head_hidden = next(iter(outputs.values()))[1]
-    draft_hidden = _local_hidden_size(draft_model)
+    draft_hidden = hidden_size if hidden_size is not None else _local_hidden_size(draft_model)
     if draft_hidden is not None and draft_hidden != head_hidden:
-        return (f"a head for hidden size {draft_hidden} (the draft model's); this head "
+        return (f"a head for hidden size {draft_hidden} ({whose}); this head "
                 f"expects hidden size {head_hidden}")
     return None
 

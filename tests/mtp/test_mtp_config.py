@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,31 @@ def test_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     assert 'speculative_config["method"] = "specx_mtp"' in message  # key and value
     assert "model_type 'llama'" in message
     assert "num_nextn_predict_layers >= 1" in message  # what is needed
+
+
+def _head(directory, hidden: int) -> str:
+    import torch
+
+    from vllm_specx.algorithms.acceptance_head import AcceptanceHead, save_head
+
+    torch.manual_seed(0)
+    return str(save_head(AcceptanceHead(hidden, num_blocks=1), directory))
+
+
+def test_acceptance_head_must_fit_the_mtp_hidden_state(mtp_target, tmp_path):
+    hidden = json.loads((Path(mtp_target) / "config.json").read_text())[
+        "hidden_size"]
+    fits = _head(tmp_path / "fits", hidden)
+    cfg = engine_config(mtp_target, {"method": "specx_mtp", "num_speculative_tokens": 3,
+                                     "adaptive": True, "acceptance_head": fits})
+    assert cfg.additional_config[SPECX_CONFIG_KEY]["acceptance_head"] == fits
+
+    wrong = _head(tmp_path / "wrong", hidden + 8)
+    with pytest.raises(SpecxConfigError) as info:
+        engine_config(mtp_target, {"method": "specx_mtp", "num_speculative_tokens": 3,
+                                   "adaptive": True, "acceptance_head": wrong})
+    message = str(info.value)
+    assert "\n" not in message
+    assert 'speculative_config["acceptance_head"]' in message and wrong in message
+    assert f"a head for hidden size {hidden} (the MTP layer's)" in message
+    assert f"expects hidden size {hidden + 8}" in message

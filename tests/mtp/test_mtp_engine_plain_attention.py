@@ -6,7 +6,9 @@ vLLM turns chunked prefill and prefix caching off for MLA models on its CPU plat
 backend), where both are on: a prompt longer than the token budget is prefilled in
 chunks (the MTP layer drafts from chunked hidden states), and a repeated batch hits the
 prefix cache (the MTP layer's KV is cached with the target's). Greedy output must equal
-no speculation, with the adaptive stop on.
+no speculation, with the adaptive stop on. The stop here is an acceptance head on the MTP
+layer's hidden state (a seeded untrained one: exactness cannot depend on the head's
+quality); ``test_mtp_engine.py`` covers the training-free confidence stop.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ENGINE_KW: dict[str, Any] = dict(
     disable_log_stats=False,
 )
 SPEC = {"method": "specx_mtp", "num_speculative_tokens": K, "adaptive": True,
-        "confidence_threshold": 0.5}
+        "stop_threshold": 0.5}
 
 
 def _counter(llm: Any, name: str) -> float:
@@ -64,13 +66,21 @@ def mla_disabled() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def runs(mla_disabled: None) -> dict[str, Any]:
+def runs(mla_disabled: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import json
+
+    import torch
     from transformers import AutoTokenizer
 
+    from vllm_specx.algorithms.acceptance_head import AcceptanceHead, save_head
     from vllm_specx.engine import make_llm, running_llm, shutdown_llm
     from vllm_specx.fixtures import fixtures_root, heldout_prompts
 
     target = str(fixtures_root() / "mtp_target")
+    hidden = json.loads((fixtures_root() / "mtp_target" / "config.json").read_text())[
+        "hidden_size"]
+    torch.manual_seed(0)
+    head = save_head(AcceptanceHead(hidden, num_blocks=1), tmp_path_factory.mktemp("head"))
     tok = AutoTokenizer.from_pretrained(target)
     texts = heldout_prompts(6)
     long = tok("\n".join(texts[:4]))["input_ids"][:150]
@@ -78,13 +88,15 @@ def runs(mla_disabled: None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with running_llm(target, **ENGINE_KW) as llm:
         out["plain"] = _generate(llm, prompts)
-    llm = make_llm(target, speculative_config=SPEC, **ENGINE_KW)
+    llm = make_llm(target, speculative_config={**SPEC, "acceptance_head": str(head)},
+                   **ENGINE_KW)
     try:
         config = llm.llm_engine.vllm_config
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         out["use_mla"] = config.model_config.use_mla
         out["chunked"] = config.scheduler_config.enable_chunked_prefill
         out["drafter"] = type(runner.drafter).__name__
+        out["stop_rule"] = type(runner.drafter.stop_rule(K)).__name__
         out["spec"] = _generate(llm, prompts)
         hits = _counter(llm, "vllm:prefix_cache_hits")
         accepted = _counter(llm, "vllm:spec_decode_num_accepted_tokens")
@@ -99,6 +111,7 @@ def runs(mla_disabled: None) -> dict[str, Any]:
 def test_plain_attention_with_chunked_prefill_and_prefix_caching_is_exact(runs):
     assert runs["use_mla"] is False and runs["chunked"] is True
     assert runs["drafter"] == "MtpProposer"
+    assert runs["stop_rule"] == "HeadStop"  # the head was loaded and decides the stops
     assert runs["spec"] == runs["plain"]
     assert runs["again"] == runs["plain"]
     assert runs["prefix_hits"] > 0

@@ -13,6 +13,7 @@ from typing import Any, get_args
 from vllm_specx.config import (
     SPECX_CONFIG_KEY,
     SpecxConfigError,
+    refusal_error,
     speculative_config_dict,
     translate,
 )
@@ -47,13 +48,25 @@ def vllm_speculative_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
-def require_mtp_layers(target_model_config: Any) -> None:
-    """Refuse ``specx_mtp`` for a target without multi-token-prediction layers, in one line.
+def require_mtp_layers(target_model_config: Any, settings: dict[str, Any] | None = None) -> None:
+    """Refuse ``specx_mtp`` for a target without multi-token-prediction layers, in one line;
+    and an ``acceptance_head`` that does not fit the MTP layer's hidden state (the
+    target's hidden size: there is no draft model to check it against earlier).
 
     Asks vLLM's own MTP config mapping (``SpeculativeConfig.hf_config_override``, on a
     copy): a target it gives MTP layers (``n_predict``) can draft; any other cannot, and
     vLLM itself would fail later, inside the engine, with an unrelated message.
     """
+    head = (settings or {}).get("acceptance_head")
+    if head:
+        from vllm_specx.config import acceptance_head_problem  # reads files: only when set
+
+        target_hidden = getattr(target_model_config.hf_config, "hidden_size", None)
+        problem = acceptance_head_problem(
+            head, draft_model=None, hidden_size=target_hidden, whose="the MTP layer's"
+        )
+        if problem is not None:
+            raise refusal_error("acceptance_head", head, problem, "specx_mtp")
     import copy
 
     from vllm.config.speculative import SpeculativeConfig
@@ -137,7 +150,7 @@ class SpeculativeConfigTranslation(VllmPatch):
                 )
             method = result.specx_settings["method"]
             if method == "specx_mtp":
-                require_mtp_layers(target_model_config)
+                require_mtp_layers(target_model_config, result.specx_settings)
             if METHODS[method].ragged_drafts:
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.
