@@ -14,20 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import Any
 
-from vllm_specx.bench.metrics import projected_speedup
-
-
-def _cost_ratio(report: dict[str, Any]) -> float | None:
-    ratios = [
-        c["t_draft_s"] / c["t_target_s"]
-        for c in report["configs"]
-        if c.get("t_draft_s") and c.get("t_target_s")
-    ]
-    return statistics.median(ratios) if ratios else None
+from vllm_specx.bench.metrics import median_cost_ratio, projected_speedup
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -36,7 +26,7 @@ def _fmt(x: Any, digits: int = 3) -> str:
 
 def table(report: dict[str, Any], ratio: float | None = None) -> str:
     source = "given" if ratio is not None else "median of the measured ones"
-    ratio = ratio if ratio is not None else _cost_ratio(report)
+    ratio = ratio if ratio is not None else median_cost_ratio(report["configs"])
     s = report["sampling"]
     head = (
         f"T={s.get('temperature')}, top-k {s.get('top_k')}, top-p {s.get('top_p')}, "

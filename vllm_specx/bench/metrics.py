@@ -258,6 +258,18 @@ def projected_speedup(
     return t_target / per_token if per_token > 0 else None
 
 
+def median_cost_ratio(configs: Iterable[Mapping[str, Any]]) -> float | None:
+    """The median draft/target cost ratio (t_draft_s / t_target_s) over a report's
+    configurations that measured both, or None. Re-projecting every row of a report with
+    this one ratio compares configurations by their counts, not by timer noise."""
+    ratios = [
+        c["t_draft_s"] / c["t_target_s"]
+        for c in configs
+        if c.get("t_draft_s") and c.get("t_target_s")
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
 def config_metrics(
     traces: Sequence[RequestTrace],
     *,
