@@ -1,4 +1,4 @@
-"""The runtime fixes of vLLM's kernel-override registration (defect 3 in the docs)."""
+"""The runtime fixes of vLLM's CPU path (defects 3-5 in docs/upstream-vllm-cpu-adapter-defects.md)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,20 @@ def test_platform_registers_its_overrides_once(monkeypatch):
     monkeypatch.setattr(dispatcher, "register_kernels", lambda overrides: calls.append(1))
     current_platform.register_triton_kernel_overrides()  # already done by the fixture
     assert calls == []
+
+
+def test_top_k_only_passes_an_empty_batch_through():
+    """Defect 5: top-k without top-p on a step with no draft tokens (an empty batch)."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    empty = torch.empty(0, 10)
+    out = apply_top_k_top_p_pytorch(empty, torch.empty(0, dtype=torch.int32), None,
+                                    allow_cpu_sync=True)
+    assert out.shape == (0, 10)
+    # A real batch is still masked: only the top 2 of each row survive.
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [4.0, 0.0, 1.0, 2.0]])
+    masked = apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([2, 2]), None,
+                                       allow_cpu_sync=True)
+    assert torch.isfinite(masked).sum(dim=1).tolist() == [2, 2]
+    assert torch.isfinite(masked[0]).tolist() == [False, True, False, True]

@@ -65,9 +65,8 @@ def test_greedy_spec_decode_equals_plain_greedy(engine, baseline, request):
     assert 0 < accepted < drafted
 
 
-# Short prompts for seeded sampling: all of them prefill in one step. vLLM 0.32.0
-# crashes on CPU when a *seeded* request is prefilled in chunks (it rewinds the
-# request's generator with torch.Generator.set_offset, which CPU generators lack).
+# Short prompts for seeded sampling: all of them prefill in one step (seeded prompts
+# prefilled in chunks have a test of their own below).
 SHORT_PROMPTS = [
     "def wrap(text, width=70, **kwargs):",
     "import os\nimport sys\nimport os\n",
@@ -127,3 +126,30 @@ def test_sampled_spec_decode_follows_one_token_filters(filters, draft_llm, targe
     )
     assert got == greedy
     assert drafted > 0 and 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("engine", ["target_llm", "draft_llm"])
+def test_seeded_request_prefilled_in_chunks(engine, request):
+    """vLLM 0.32.0 rewinds a seeded request's generator with ``set_offset`` after each
+    partial prefill chunk, which killed the CPU engine (fix ``cpu_seeded_partial_prefill``).
+
+    The first run prefills the prompt in chunks (engine budget 64 tokens per step), so two
+    sampled tokens are discarded; the second run finds the prompt's full blocks in the
+    prefix cache and computes its last chunk, the same query as the first run's last
+    chunk, in one step, with nothing discarded. The outputs are equal only if the
+    discarded samples left the request's own random stream untouched."""
+    from vllm import SamplingParams
+
+    llm = request.getfixturevalue(engine)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(inspect.getsource(textwrap)[8000:12000])[:150]
+    assert len(prompt_ids) == 150  # > 2 x 64: three chunks
+
+    def sample():
+        params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
+        out = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
+        return out[0].outputs[0].token_ids
+
+    chunked, cached = sample(), sample()
+    assert len(chunked) == 24
+    assert list(chunked) == list(cached)

@@ -168,7 +168,10 @@ _RELEASE_0_32_0 = ReleaseTable(
             "MAX_NUM_TOKENS",
         ),
     },
-    runtime_fixes=("tolerant_kernel_rebind", "register_overrides_once"),
+    runtime_fixes=(
+        "tolerant_kernel_rebind", "register_overrides_once",
+        "seeded_partial_prefill", "top_k_only_empty_batch",
+    ),
 )
 
 RELEASES: dict[str, ReleaseTable] = {

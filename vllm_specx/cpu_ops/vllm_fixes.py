@@ -1,4 +1,5 @@
-"""Small runtime fixes for vLLM's CPU kernel-override machinery (no-Triton path).
+"""Small runtime fixes of vLLM's CPU path: the kernel-override machinery (no-Triton path)
+and two crashes of the CPU runner.
 
 Both concern ``vllm.triton_utils.dispatcher.register_kernels``, which the CPU platform
 calls from every worker's ``init_worker``. After swapping a kernel it scans every
@@ -20,7 +21,20 @@ verified vLLM range), applied only for the releases whose drift-table entry list
   the scan and logs "already registered. Overwriting." for each kernel; we make the
   platform's registration run once per process.
 
-See docs/upstream-vllm-cpu-adapter-defects.md (defect 3).
+Two more keep one request from killing a running CPU engine (defects 4 and 5):
+
+* ``seeded_partial_prefill``: a request whose prompt is prefilled over several steps has
+  the token sampled after each partial chunk discarded, and vLLM then rewinds the
+  request's seeded generator by its Philox offset, which a CPU generator does not have:
+  ``RuntimeError: CPU Generator does not use offset`` and the engine dies. We take those
+  requests' CPU generators out of the batch for the one step: their discarded token is
+  drawn from the global generator instead, and their own stream is left exactly where it
+  was, which is what the GPU rewind achieves.
+* ``top_k_only_empty_batch``: top-k without top-p takes ``k.max()`` of an empty tensor
+  when the rejection sampler constrains the draft logits of a step without drafts (the
+  last step before ``max_tokens``); an empty batch now passes through unchanged.
+
+See docs/upstream-vllm-cpu-adapter-defects.md (defects 3, 4 and 5).
 """
 
 from __future__ import annotations
@@ -115,10 +129,78 @@ class OverrideRegistrationOnce(VllmPatch):
         return register_once
 
 
+def _hold_seeded_discarded(runner: Any) -> dict[int, Any]:
+    """Remove from ``runner.input_batch.generators`` the CPU generators of the requests
+    whose sampled token this step discards (a partial prefill); return them."""
+    batch = runner.input_batch
+    generators = batch.generators
+    if not generators:
+        return {}
+    discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+    held: dict[int, Any] = {}
+    for index in discarded.tolist():
+        gen = generators.get(index)
+        if gen is not None and gen.device.type == "cpu":
+            held[index] = generators.pop(index)
+    return held
+
+
+class SeededPartialPrefill(VllmPatch):
+    name = "cpu_seeded_partial_prefill"
+    scope = "cpu-reference"
+    lazy = True  # the model runner module is expensive to import
+    verified_on = ("0.32.0",)
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"
+    replaces = (
+        "GPUModelRunner.sample_tokens (the CPU runner's too), for the step's requests whose "
+        "sampled token is discarded"
+    )
+    why = (
+        "vLLM rewinds a discarded request's seeded generator with set_offset, which CPU "
+        "generators lack, so a seeded request whose prompt is prefilled in chunks killed "
+        "the engine (defect 4); out of the batch for that step, its stream stays untouched"
+    )
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def sample_tokens(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            held = _hold_seeded_discarded(runner)
+            try:
+                return original(runner, *args, **kwargs)
+            finally:
+                # The same dict the sampling metadata holds (InputBatch passes it by
+                # reference), so the requests get their own generators back next step.
+                runner.input_batch.generators.update(held)
+
+        return sample_tokens
+
+
+class TopKOnlyEmptyBatch(VllmPatch):
+    name = "cpu_top_k_only_empty_batch"
+    scope = "cpu-reference"
+    verified_on = ("0.32.0",)
+    target = "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_only"
+    replaces = "apply_top_k_only (top-k without top-p, reached on CPU)"
+    why = (
+        "k.max() of an empty batch raises, and the rejection sampler constrains the draft "
+        "logits of a step with no drafts, so sampled speculative decoding with top_k alone "
+        "killed the engine at the last step before max_tokens (defect 5)"
+    )
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def apply_top_k_only(logits: Any, k: Any) -> Any:
+            if logits.shape[0] == 0:
+                return logits  # nothing to mask
+            return original(logits, k)
+
+        return apply_top_k_only
+
+
 # Names used by the drift table (``ReleaseTable.runtime_fixes``) -> patch.
 FIXES: dict[str, VllmPatch] = {
     "tolerant_kernel_rebind": TolerantKernelRebind(),
     "register_overrides_once": OverrideRegistrationOnce(),
+    "seeded_partial_prefill": SeededPartialPrefill(),
+    "top_k_only_empty_batch": TopKOnlyEmptyBatch(),
 }
 
 

@@ -29,6 +29,9 @@ Patches (name -- scope -- what in vLLM changes):
 * cpu_tolerant_kernel_rebind -- cpu-reference -- ``triton_utils.dispatcher._rebind_kernels``
 * cpu_override_registration_once -- cpu-reference --
   ``CpuPlatform.register_triton_kernel_overrides``
+* cpu_seeded_partial_prefill -- cpu-reference -- ``GPUModelRunner.sample_tokens`` (when vLLM
+  imports it)
+* cpu_top_k_only_empty_batch -- cpu-reference -- ``topk_topp_sampler.apply_top_k_only``
 * cpu_reference_op_library -- cpu-reference -- ``torch.ops._C``: ops defined as a FRAGMENT
 * cpu_ops_namespace_guard -- cpu-reference -- ``type(torch.ops._C)`` swapped for a subclass
 * bench_forward_timers -- bench -- the runner's models: hooks (or a ``forward`` instance
