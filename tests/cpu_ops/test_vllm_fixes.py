@@ -1,4 +1,4 @@
-"""The runtime fixes of vLLM's CPU path (defects 3-5 in docs/upstream-vllm-cpu-adapter-defects.md)."""
+"""The runtime fixes of vLLM's CPU path (defects 3-5, docs/upstream-vllm-cpu-adapter-defects.md)."""
 
 from __future__ import annotations
 
