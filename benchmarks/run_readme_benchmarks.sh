@@ -99,3 +99,26 @@ vllm-specx bench --temperature 0 --ignore-eos --no-plots --num-prompts 32 --engi
   -o "$OUT/adaptive_T0_b32.json" --config "$(printf "$DM" 4 4)" \
   --config "$(printf "$AD" 8 '"confidence_threshold":0.5' "adaptive conf=0.5")"
 python benchmarks/adaptive_table.py --cost-ratio 0.30 "$OUT"/adaptive_T*_b*.json | tee "$OUT/adaptive_tables.md"
+
+# 7. specx_mtp on the MTP fixture (fixtures/models/mtp_target, greedy): vLLM's mtp and
+#    specx_mtp at K=1..4 (and vLLM's mtp at K=8), specx_mtp adaptive K=8 at the default
+#    confidence threshold (0.2) and at 0.5, 0.3, 0.1 (and T=1); the README's numbers are
+#    from benchmarks/adaptive_table.py (one cost ratio per report), run below.
+MTPT="$(python -c 'from vllm_specx.fixtures import fixtures_root; print(fixtures_root() / "mtp_target")')"
+CFGS=()
+for K in 1 2 3 4 8; do CFGS+=(--config "{\"method\":\"mtp\",\"num_speculative_tokens\":$K,\"name\":\"mtp K=$K\"}"); done
+for K in 1 2 3 4; do CFGS+=(--config "{\"method\":\"specx_mtp\",\"num_speculative_tokens\":$K,\"name\":\"specx_mtp K=$K\"}"); done
+CFGS+=(--config '{"method":"specx_mtp","num_speculative_tokens":8,"adaptive":true,"name":"specx_mtp K=8 adaptive"}')
+for C in 0.5 0.3 0.1; do
+  CFGS+=(--config "{\"method\":\"specx_mtp\",\"num_speculative_tokens\":8,\"adaptive\":true,\"confidence_threshold\":$C,\"name\":\"specx_mtp K=8 adaptive conf=$C\"}")
+done
+vllm-specx bench --pair fixture --target "$MTPT" --temperature 0 --ignore-eos --max-tokens 64 \
+  --num-prompts 8 --no-plots -o "$OUT/mtp_T0.json" "${CFGS[@]}"
+CFGS=()
+for K in 1 2 4; do CFGS+=(--config "{\"method\":\"mtp\",\"num_speculative_tokens\":$K,\"name\":\"mtp K=$K\"}"); done
+for C in 0.5 0.3 0.2 0.1; do
+  CFGS+=(--config "{\"method\":\"specx_mtp\",\"num_speculative_tokens\":8,\"adaptive\":true,\"confidence_threshold\":$C,\"name\":\"specx_mtp K=8 adaptive conf=$C\"}")
+done
+vllm-specx bench --pair fixture --target "$MTPT" --temperature 1 --ignore-eos --max-tokens 64 \
+  --num-prompts 8 --no-plots -o "$OUT/mtp_T1.json" "${CFGS[@]}"
+python benchmarks/adaptive_table.py "$OUT/mtp_T0.json" "$OUT/mtp_T1.json" | tee "$OUT/mtp_tables.md"

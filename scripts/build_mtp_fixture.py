@@ -17,8 +17,14 @@ one multi-token-prediction layer (``num_nextn_predict_layers = 1``) stored as
 Stages:
 
 ``target``
-    Train the target from scratch on random 256-token windows (the pair's window sampler and
-    training loop).
+    Train the target from scratch on random 256-token windows. Both training stages run
+    through the shared ``vllm_specx.training.loop.train_loop`` on windows from
+    ``vllm-specx distill``'s sampler (``training.distill.stream_windows``). The committed
+    target weights predate that: this script trained them with the fixture pair's old loop
+    and window sampler (commits caa1ae4, c8dccdc; 2,500 s), since removed. Rebuilding
+    this stage trains the same recipe on other batches (so other weights, and the MTP stage
+    must follow); ``--stage mtp --stage report`` rebuilds only the MTP layer on the
+    committed target.
 ``mtp``
     Freeze the target; train the MTP layer by self-distillation: at row ``i`` it sees the
     target's final (post-norm) hidden state at position ``i`` and the embedding of token
@@ -30,7 +36,9 @@ Stages:
 ``report``
     Reload the saved checkpoint, held-out perplexity of the target, and teacher-forced greedy
     agreement of the MTP chain with the target's greedy continuation at depth 1..4 (the
-    acceptance per position a greedy ``mtp`` run can reach), into ``REPORT.json``.
+    acceptance per position a greedy ``mtp`` run can reach) and how well the MTP layer's
+    own top probability separates its right drafts from wrong ones (what the training-free
+    stop reads), into ``REPORT.json``.
 
 Runtime on the shared 2-core machine, 1 torch thread: see ``REPORT.json`` (``stages.*.seconds``).
 Deterministic: fixed seeds, one thread; same machine and torch give the same weights.
@@ -46,7 +54,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -80,10 +87,10 @@ class MtpBuildConfig:
     target_steps: int = 500
     target_batch: int = 8
     target_lr: float = 3e-3
-    # Kept short: on the shared 2-core machine (load average ~20 at the time) one MTP
-    # step took ~12 s at 8 x 256 tokens; the MTP block starts from the target's last layer.
-    mtp_steps: int = 60
-    mtp_batch: int = 8
+    # ~0.55 s a step at 16 x 128 tokens on one quiet core. The first build trained 60 steps
+    # (argmax right 0.74 at depth 1, but probabilities too flat for a confidence stop).
+    mtp_steps: int = 2000
+    mtp_batch: int = 16
     mtp_seq_len: int = 128
     mtp_lr: float = 2e-3
     eval_windows: int = 32
@@ -98,93 +105,46 @@ QUICK = MtpBuildConfig(
 )
 
 
-# The fixture pair's training loop and window sampler as they were when this fixture was
-# built (scripts/build_fixture_models.py at commit 7cf6cff): that script has since moved
-# its training to vllm_specx.training.distill, whose loop draws batches differently, so
-# the loop that made the committed weights is kept here to keep the build reproducible.
-def train_loop(
-    model: Any,
-    next_batch: Any,
+def windows(stream: torch.Tensor, seq_len: int, steps: int, batch: int, seed: int) -> torch.Tensor:
+    """``steps * batch`` training windows (bos + seq_len - 1 tokens each) from the shared
+    sampler of ``vllm-specx distill``, so every step sees fresh windows."""
+    from vllm_specx.training.distill import stream_windows
+
+    return stream_windows(stream.to(torch.int32), seq_len, steps * batch, seed, bos_id=0)
+
+
+def train(
+    model: torch.nn.Module,
+    rows: torch.Tensor,
+    loss_fn: Any,
     steps: int,
+    batch: int,
     lr: float,
-    cfg: Any,
+    pcfg: Any,
+    seed: int,
     label: str,
 ) -> dict[str, Any]:
-    """AdamW with linear warm-up and cosine decay to 10% of the peak rate."""
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norm gains
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0},
-        ],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
-    warmup = max(1, int(cfg.warmup_frac * steps))
+    """One pass over ``rows`` through the shared loop (``vllm_specx.training.loop``) with
+    the fixture pair's recipe: AdamW (0.9, 0.95), warm-up then cosine to 10% of the peak,
+    gradient clipping at 1, no weight decay on norm gains."""
+    from vllm_specx.training.loop import train_loop
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    model.train()
     t0 = time.time()
-    tokens, ema, losses = 0, None, []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        input_ids, labels = next_batch(step)
-        # Mixed precision only for the matmuls (weights, grads and optimizer state stay fp32,
-        # and the saved models are fp32); on CPUs with AMX/AVX512-BF16 this is ~1.7x faster.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-            loss = model(input_ids=input_ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        value = float(loss.detach())
-        losses.append(value)
-        ema = value if ema is None else 0.95 * ema + 0.05 * value
-        tokens += int((labels != -100).sum())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == steps:
-            dt = time.time() - t0
-            pair.log(
-                f"{label} step {step + 1}/{steps} loss {value:.3f} (ema {ema:.3f}) "
-                f"lr {lr_at(step):.2e} {tokens / dt:.0f} tok/s {dt:.0f}s"
-            )
-    model.eval()
-    tail = losses[-max(1, steps // 10) :]
+    history = train_loop(
+        model, (rows,), loss_fn, epochs=1, batch_size=batch, lr=lr, seed=seed,
+        weight_decay=pcfg.weight_decay, warmup_frac=pcfg.warmup_frac, desc=label,
+        progress=False, log=pair.log, max_steps=steps, betas=(0.9, 0.95), grad_clip=1.0,
+        min_lr_ratio=0.1, decay_1d=False,
+    )
     return {
         "steps": steps,
         "peak_lr": lr,
-        "trained_tokens": tokens,
-        "final_loss": round(sum(tail) / len(tail), 4),
-        "autocast": cfg.autocast,
-        "threads": cfg.threads,
+        "trained_tokens": steps * batch * (int(rows.shape[1]) - 1),
+        "mean_train_loss": round(float(history[-1]["train_loss"]), 4),
+        "autocast": "off",
+        "threads": torch.get_num_threads(),
         "seconds": round(time.time() - t0, 1),
     }
-
-
-def window_sampler(stream: torch.Tensor, seq_len: int, batch: int, seed: int) -> Any:
-    """Random windows of the token stream, each bos + (seq_len - 1) tokens.
-
-    bos opens every window, not just every file: prompts at inference (vLLM, the tokenizer)
-    always start with bos and then usually continue mid-file, so bos has to mean "start of
-    context". Trained only at file starts, the first models answered every prompt with the
-    comment banner that opens a file.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    stream = stream.long()
-    bos = torch.zeros(1, dtype=torch.long)
-
-    def next_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, stream.numel() - seq_len, (batch,), generator=gen)
-        x = torch.stack([torch.cat([bos, stream[s : s + seq_len - 1]]) for s in starts.tolist()])
-        return x, x
-
-    return next_batch
 
 
 def pair_config(cfg: MtpBuildConfig, quick: bool) -> Any:
@@ -341,8 +301,14 @@ def stage_target(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict
     model = DeepseekV3ForCausalLM(deepseek_config(cfg, pcfg.vocab_size)).float()
     model.config._attn_implementation = "sdpa"
     pair.log(f"target: {pair.param_count(model):,} parameters")
-    sampler = window_sampler(train_ids, cfg.seq_len, cfg.target_batch, cfg.seed + 2)
-    info = train_loop(model, sampler, cfg.target_steps, cfg.target_lr, pcfg, "target")
+    rows = windows(train_ids, cfg.seq_len, cfg.target_steps, cfg.target_batch, cfg.seed + 2)
+
+    def lm_loss(m: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        ids = batch[0].long()
+        return m(input_ids=ids, labels=ids).loss
+
+    info = train(model, rows, lm_loss, cfg.target_steps, cfg.target_batch, cfg.target_lr, pcfg,
+                 cfg.seed + 5, "target")
     save_target(model, paths["target"])
     info.update(params=pair.param_count(model), batch=cfg.target_batch, seq_len=cfg.seq_len)
     return info
@@ -360,26 +326,19 @@ def stage_mtp(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict[st
     # layer that runs on the same kind of hidden state.
     mtp.block.load_state_dict(target.model.layers[-1].state_dict())
     train_ids = torch.load(paths["work"] / "train_ids.pt")
-    sampler = window_sampler(train_ids, cfg.mtp_seq_len, cfg.mtp_batch, cfg.seed + 4)
+    rows = windows(train_ids, cfg.mtp_seq_len, cfg.mtp_steps, cfg.mtp_batch, cfg.seed + 4)
 
-    class Wrapped(torch.nn.Module):
-        """train_loop's interface: model(input_ids, labels).loss."""
+    def mtp_loss(m: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        ids = batch[0].long()
+        with torch.no_grad():
+            hidden, logits = target_hidden(target, ids)
+            teacher = torch.softmax(logits[:, 1:].float(), -1)  # p(. | t_<=i+1)
+        draft_logits, _ = mtp_step(m, target, ids[:, 1:], hidden[:, :-1])
+        logq = torch.log_softmax(draft_logits.float(), -1)
+        return -(teacher * logq).sum(-1).mean()
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.mtp = mtp
-
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
-            with torch.no_grad():
-                hidden, logits = target_hidden(target, input_ids)
-                teacher = torch.softmax(logits[:, 1:].float(), -1)  # p(. | t_<=i+1)
-            draft_logits, _ = mtp_step(self.mtp, target, input_ids[:, 1:], hidden[:, :-1])
-            logq = torch.log_softmax(draft_logits.float(), -1)
-            loss = -(teacher * logq).sum(-1).mean()
-            return type("Out", (), {"loss": loss})()
-
-    wrapped = Wrapped()
-    info = train_loop(wrapped, sampler, cfg.mtp_steps, cfg.mtp_lr, pcfg, "mtp")
+    info = train(mtp, rows, mtp_loss, cfg.mtp_steps, cfg.mtp_batch, cfg.mtp_lr, pcfg,
+                 cfg.seed + 6, "mtp")
     weights = paths["target"] / "model.safetensors"
     state = load_file(str(weights))
     state.update(mtp_state_dict(mtp, target, target.config.num_hidden_layers))
@@ -418,9 +377,18 @@ def depth_agreement(
     step 1 sees token t and hidden t-1, step k its own previous draft and hidden). Depth ``d``
     counts as accepted when drafts 1..d all equal ``y``; the rate per depth is what a greedy
     run accepts at that position given it reached it.
+
+    Also how well the MTP layer's own confidence (its largest probability, unwarped: the
+    ``token_prob`` of an argmax draft, which the training-free stop compares with
+    ``confidence_threshold``) separates right drafts from wrong ones, over every draft
+    made: AUC, and per threshold the share of drafts at or above it and their accuracy.
     """
+    from vllm_specx.training.loop import soft_auc
+
     reached = [0] * depths
     accepted = [0] * depths
+    confs: list[float] = []
+    rights: list[float] = []
     for prompt in prompts:
         ids = prompt[None]
         for _ in range(new_tokens):
@@ -441,15 +409,34 @@ def depth_agreement(
                 logits, post = mtp_step(mtp, target, toks[1:][None], prev[None])
                 draft = logits[0, -1].argmax()
                 reached[d] += ok
+                confs.append(float(torch.softmax(logits[0, -1].float(), -1).max()))
+                rights.append(float(draft == seq[t + 1 + d]))
                 ok = ok and bool(draft == seq[t + 1 + d])
                 accepted[d] += ok
                 if not ok:
                     break
                 toks = torch.cat([toks, draft.view(1)])
                 prev = torch.cat([prev, post[0, -1:]], 0)
+    conf, right = torch.tensor(confs), torch.tensor(rights)
+    auc = soft_auc(conf, right)  # NaN when every draft was right (or every one wrong)
+    by_threshold = {}
+    for thr in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        above = conf >= thr
+        by_threshold[str(thr)] = {
+            "share_at_or_above": round(float(above.float().mean()), 4),
+            "accuracy_at_or_above": round(float(right[above].mean()), 4) if above.any() else None,
+            "accuracy_below": round(float(right[~above].mean()), 4) if (~above).any() else None,
+        }
     return {
         "accept_rate_at_depth": [round(a / max(1, r), 4) for a, r in zip(accepted, reached)],
         "reached_at_depth": reached,
+        "confidence": {
+            "drafts": len(confs),
+            "accuracy": round(float(right.mean()), 4),
+            "mean_top_prob": round(float(conf.mean()), 4),
+            "auc_top_prob_vs_right": None if auc != auc else round(auc, 4),
+            "by_threshold": by_threshold,
+        },
     }
 
 
