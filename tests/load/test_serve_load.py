@@ -8,7 +8,8 @@ greedy output of the speculative server must equal it token for token (an aborte
 must be a prefix of it). Afterwards the server must still be healthy with nothing left running,
 and vLLM's spec-decode Prometheus counters must be consistent.
 
-Adding a method is one entry in ``LOAD_METHODS``.
+Adding a method is one entry in ``LOAD_METHODS`` (its target: the fixture pair's, or the
+MTP fixture for ``specx_mtp``).
 """
 
 from __future__ import annotations
@@ -34,17 +35,24 @@ from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
 
 # The fixture draft's directory, filled in when the server starts.
 DRAFT = "<fixture draft>"
+# Targets by name: the fixture pair's, and the MTP fixture (DeepSeek-V3 with MLA and one
+# MTP layer) for specx_mtp.
+PAIR, MTP = "pair", "mtp"
 
-# One entry per speculative method under load. New methods (specx_mtp) add a line.
+# One entry per speculative method under load: (target, speculative config).
 LOAD_METHODS = [
     pytest.param(
-        {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2},
+        (PAIR, {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}),
         id="mtad",
     ),
     pytest.param(
-        {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
-         "confidence_threshold": 0.5},
+        (PAIR, {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
+                "confidence_threshold": 0.5}),
         id="adaptive",
+    ),
+    pytest.param(
+        (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True}),
+        id="specx_mtp",
     ),
 ]
 
@@ -58,7 +66,8 @@ MAX_MODEL_LEN = 256
 # is 5 KiB per token: 4 MiB holds 800 tokens (25 blocks), a seventh of what the 64
 # requests (prompts of 32-89 tokens, 32 new) need at once, so admitted requests fill it
 # and their decodes then outgrow it (at 8 MiB a run saw a single preemption); one
-# max-length request still fits.
+# max-length request still fits. The MTP fixture's MLA cache (576 floats per token in each
+# of 3 + 1 layers: 9 KiB per token) holds about 450 tokens in the same 4 MiB.
 KV_CACHE_BYTES = 4 << 20
 MAX_BATCHED_TOKENS = 512
 # Generous bounds: on a shared 2-core host start-up alone has taken 5 minutes.
@@ -98,6 +107,12 @@ class Server:
         return samples
 
 
+def _target_dir(name: str) -> Path:
+    from vllm_specx.fixtures import fixtures_root
+
+    return fixture_model_dirs()[0] if name == PAIR else fixtures_root() / "mtp_target"
+
+
 def _start_server(model: str, log_path: Path, extra: list[str]) -> Server:
     port = _free_port()
     vllm_bin = Path(sys.executable).with_name("vllm")
@@ -110,7 +125,11 @@ def _start_server(model: str, log_path: Path, extra: list[str]) -> Server:
          "--max-num-seqs", str(NUM_REQUESTS), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
          "--disable-uvicorn-access-log", *extra],
         stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "INFO"},
+        # One OpenMP thread in the server's worker, as make_llm gives in-process engines:
+        # on a busy 2-core host two threads wait on each other at every op (the MTP
+        # fixture's MLA server took 420 s for the load with two, 13 s with one).
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "INFO",
+             "OMP_NUM_THREADS": "1"},
     )
     log.close()
     return Server(proc, port, log_path, model)
@@ -238,15 +257,26 @@ def prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference_greedy(prompts) -> dict[int, list[int]]:
-    """Greedy outputs without speculation for every greedy request of the plan, from an
-    in-process engine with the server's settings (an engine in this process starts in
-    seconds; a second server would double the test's start-up cost)."""
+def reference_greedy(prompts) -> Any:
+    """``reference(target)``: greedy outputs without speculation for every greedy request of
+    the plan, from an in-process engine with the server's settings (an engine in this
+    process starts in seconds; a second server would double the test's start-up cost);
+    computed once per target."""
+    cache: dict[str, dict[int, list[int]]] = {}
+
+    def reference(target: str) -> dict[int, list[int]]:
+        if target not in cache:
+            cache[target] = _reference_greedy(_target_dir(target), prompts)
+        return cache[target]
+
+    return reference
+
+
+def _reference_greedy(target: Path, prompts: list[str]) -> dict[int, list[int]]:
     from vllm import SamplingParams
 
     from vllm_specx.engine import make_llm, shutdown_llm
 
-    target, _ = fixture_model_dirs()
     started = time.monotonic()
     llm = make_llm(target, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                    max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=MAX_BATCHED_TOKENS)
@@ -257,13 +287,14 @@ def reference_greedy(prompts) -> dict[int, list[int]]:
                             use_tqdm=False)
     finally:
         shutdown_llm(llm)
-    print(f"[load] no-spec reference: {len(greedy)} greedy requests in process, "
+    print(f"[load] no-spec reference ({target.name}): {len(greedy)} greedy requests in process, "
           f"{time.monotonic() - started:.1f} s with start-up")
     return {i: list(out.outputs[0].token_ids) for i, out in zip(greedy, outs)}
 
 
 @dataclass
 class LoadRun:
+    target: str
     spec: dict[str, Any]
     outcomes: list[Outcome]
     metrics: dict[str, float]
@@ -275,10 +306,12 @@ class LoadRun:
 
 @pytest.fixture(scope="module", params=LOAD_METHODS)
 def load_run(request, tmp_path_factory, prompts) -> Iterator[LoadRun]:
-    target, draft = fixture_model_dirs()
-    spec = {k: (str(draft) if v == DRAFT else v) for k, v in request.param.items()}
+    target_name, entry = request.param
+    _, draft = fixture_model_dirs()
+    spec = {k: (str(draft) if v == DRAFT else v) for k, v in entry.items()}
     log_path = tmp_path_factory.mktemp(f"load_{spec['method']}") / "serve.log"
-    server = _start_server(str(target), log_path, ["--speculative-config", json.dumps(spec)])
+    server = _start_server(str(_target_dir(target_name)), log_path,
+                           ["--speculative-config", json.dumps(spec)])
     try:
         t0 = time.monotonic()
         _wait_healthy(server)
@@ -302,8 +335,8 @@ def load_run(request, tmp_path_factory, prompts) -> Iterator[LoadRun]:
         print("[load] " + json.dumps({k: v for k, v in metrics.items()
                                       if "spec_decode" in k or "preempt" in k
                                       or "request_success" in k}))
-        yield LoadRun(spec, outcomes, metrics, health, server.proc.poll() is None, seconds,
-                      server.log_tail(20000))
+        yield LoadRun(target_name, spec, outcomes, metrics, health, server.proc.poll() is None,
+                      seconds, server.log_tail(20000))
     finally:
         _stop(server)
 
@@ -367,10 +400,11 @@ def test_the_kv_cache_was_small_enough_to_preempt(load_run):
 @pytest.mark.engine
 def test_greedy_outputs_equal_no_speculation(load_run, reference_greedy):
     checked = 0
+    reference = reference_greedy(load_run.target)
     for o in load_run.outcomes:
         if not o.greedy:
             continue
-        ref = reference_greedy[o.index]
+        ref = reference[o.index]
         if o.abort:
             assert o.token_ids == ref[: len(o.token_ids)], o.index
         else:
