@@ -8,10 +8,10 @@
 #
 # Inputs, all offline once the target is cached:
 # * the target: `vllm-specx fetch-target` (converted once into the user's cache);
-# * prompts: a seeded sample of 96 of the 160 prompts of vllm_specx/prompts/real_distill.jsonl
-#   (disjoint from the benchmark's held-out prompts, vllm_specx/prompts/real_heldout.jsonl;
-#   96, not 160, because the target's answers in vLLM cost ~15 min on 2 shared cores even
-#   so); distill holds 10% of them out again for REPORT.json;
+# * prompts: the 160 prompts of vllm_specx/prompts/real_distill.jsonl (disjoint from the
+#   benchmark's held-out prompts, vllm_specx/prompts/real_heldout.jsonl), answered by the
+#   target in vLLM at 4 temperatures x 64 tokens (23 min on the 2-core machine); distill
+#   holds 10% of them out again for REPORT.json;
 # * raw text: the Python documentation topics (pydoc_data.topics, prose) and six packages of
 #   the standard library's source (code), from the running Python.
 # Stages are resumable (work directories under .cache/smol/); the raw-only run reuses the
@@ -32,37 +32,30 @@ with open(sys.argv[1], "w", encoding="utf-8") as f:
     f.write("\n\n".join(topics[k] for k in sorted(topics)))
 ' "$WORK/corpus/pydoc_topics.txt"
 
-python - "$WORK/distill_prompts_96.jsonl" <<'PY'
-import random, sys
-lines = [l for l in open("vllm_specx/prompts/real_distill.jsonl", encoding="utf-8") if l.strip()]
-keep = sorted(random.Random(0).sample(range(len(lines)), 96))
-open(sys.argv[1], "w", encoding="utf-8").write("".join(lines[i] for i in keep))
-PY
-
 COMMON=(
   --target "$TARGET" --draft-config 128x2 --embed-init target
-  --prompts "$WORK/distill_prompts_96.jsonl"
+  --prompts vllm_specx/prompts/real_distill.jsonl
   --corpus "$WORK/corpus/pydoc_topics.txt"
   --corpus "$STDLIB/json" --corpus "$STDLIB/email" --corpus "$STDLIB/asyncio"
   --corpus "$STDLIB/logging" --corpus "$STDLIB/http" --corpus "$STDLIB/collections"
-  --max-tokens 32 --seq-len 128 --pretrain-batch 8 --finetune-batch 8 --save-dtype bfloat16
-  --engine-args '{"kv_cache_memory_bytes": 1073741824, "max_num_seqs": 128}'
+  --max-tokens 64 --seq-len 128 --pretrain-batch 8 --finetune-batch 16 --save-dtype bfloat16
+  --engine-args '{"kv_cache_memory_bytes": 2147483648, "max_num_seqs": 256, "max_num_batched_tokens": 65536}'
 )
 
-# The shipped drafter: 60 pretraining steps on raw text, 90 fine-tuning steps on the
-# target's answers (T = 0, 0.3, 0.7, 1.0).
-vllm-specx distill "${COMMON[@]}" --pretrain-steps 60 --finetune-steps 90 \
-  -o "$OUT" --work-dir "$WORK/data.work"
+# The shipped drafter: 200 pretraining steps on raw text (8 x 128 tokens each), 500
+# fine-tuning steps on the target's answers (T = 0, 0.3, 0.7, 1.0; 16 answers each).
+vllm-specx distill "${COMMON[@]}" --pretrain-steps 200 --finetune-steps 500 \
+  -o "$OUT" --work-dir "$WORK/v2.work"
 
 if [[ -z "${SKIP_RAW_ONLY:-}" ]]; then
-  # The same drafter trained on raw text only, for about as many training tokens (120 steps
-  # of 8 x 128 tokens against 60 such steps plus 90 steps of 8 prompt + answer rows of up
-  # to 96 tokens).
-  mkdir -p "$WORK/raw.work"
-  cp "$WORK/data.work/data.pt" "$WORK/data.work/data.done.json" "$WORK/raw.work/"
-  vllm-specx distill "${COMMON[@]}" --pretrain-steps 120 --finetune-steps 0 \
-    -o "$WORK/rawonly" --work-dir "$WORK/raw.work"
-  cp "$WORK/rawonly/REPORT.json" "$OUT/REPORT_raw_only.json"
+  # The same drafter trained on raw text only, for about as many training token positions
+  # (950 steps of 8 x 128 tokens against 200 such steps plus 500 steps of 16 prompt +
+  # answer rows of up to 128 tokens; REPORT.json's raw_text_only_baseline has the counts).
+  mkdir -p "$WORK/v2raw.work"
+  cp "$WORK/v2.work/data.pt" "$WORK/v2.work/data.done.json" "$WORK/v2raw.work/"
+  vllm-specx distill "${COMMON[@]}" --pretrain-steps 950 --finetune-steps 0 \
+    -o "$WORK/v2raw.out" --work-dir "$WORK/v2raw.work"
+  cp "$WORK/v2raw.out/REPORT.json" "$OUT/REPORT_raw_only.json"
   # Seed 004's comparison, side by side in the drafter's REPORT.json.
   python - "$OUT/REPORT.json" "$OUT/REPORT_raw_only.json" <<'PY'
 import json, sys
