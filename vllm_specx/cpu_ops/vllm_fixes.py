@@ -149,7 +149,8 @@ class SeededPartialPrefill(VllmPatch):
     name = "cpu_seeded_partial_prefill"
     scope = "cpu-reference"
     lazy = True  # the model runner module is expensive to import
-    verified_on = ("0.32.0",)
+    # 0.33.0: the same code, re-read in the 0.33.0 wheel (2026-11-23); the engine test ran on
+    # 0.32.0 only.
     target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"
     replaces = (
         "GPUModelRunner.sample_tokens (the CPU runner's too), for the step's requests whose "
@@ -177,7 +178,8 @@ class SeededPartialPrefill(VllmPatch):
 class TopKOnlyEmptyBatch(VllmPatch):
     name = "cpu_top_k_only_empty_batch"
     scope = "cpu-reference"
-    verified_on = ("0.32.0",)
+    # 0.33.0: the same code, re-read in the 0.33.0 wheel (2026-11-23); the engine test ran on
+    # 0.32.0 only.
     target = "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_only"
     replaces = "apply_top_k_only (top-k without top-p, reached on CPU)"
     why = (
