@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from engine_requests import counter, generate, greedy, mixed, output_ids
 
 pytestmark = pytest.mark.engine
 
@@ -69,20 +70,11 @@ class Recorder:
         drafter.propose = propose
 
 
-def _counter(llm: Any, name: str) -> float:
-    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
-
-
 def _per_pos(llm: Any) -> list[float]:
     for m in llm.get_metrics():
         if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             return list(m.values)
     return []
-
-
-def _ids(outputs: Any) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids)
-            for o in sorted(outputs, key=lambda o: int(o.request_id))]
 
 
 def _prompts() -> dict[str, list[list[int]]]:
@@ -102,30 +94,6 @@ def _prompts() -> dict[str, list[list[int]]]:
     }
 
 
-def _greedy(n: int = NEW_TOKENS) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _mixed() -> list[Any]:
-    from vllm import SamplingParams
-
-    return [
-        _greedy(),
-        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, max_tokens=NEW_TOKENS),
-        _greedy(),
-        SamplingParams(temperature=0.7, seed=8, max_tokens=NEW_TOKENS),
-    ]
-
-
-def _generate(llm: Any, prompts: list[list[int]], params: Any) -> Any:
-    from vllm.inputs import TokensPrompt
-
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     from vllm import SamplingParams
@@ -137,11 +105,11 @@ def runs() -> dict[str, Any]:
     prompts = _prompts()
     out: dict[str, Any] = {"prompts": prompts}
     with running_llm(target, **ENGINE_KW) as llm:
-        out["plain_ragged"] = _ids(_generate(llm, prompts["ragged"], _greedy()))
-        out["plain_short"] = _ids(_generate(llm, prompts["short"], _greedy()))
-        out["plain_many"] = _ids(_generate(llm, prompts["many"], _greedy(150)))
-        out["plain_stops"] = _ids(_generate(llm, prompts["short"], [
-            _greedy(1), _greedy(2), _greedy(5), _greedy(K_MAX + 1)]))
+        out["plain_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["plain_short"] = output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS)))
+        out["plain_many"] = output_ids(generate(llm, prompts["many"], greedy(150)))
+        out["plain_stops"] = output_ids(generate(llm, prompts["short"], [
+            greedy(1), greedy(2), greedy(5), greedy(K_MAX + 1)]))
 
     head = str(fixtures_root() / "head")
     spec = {**SPEC, "model": draft, "acceptance_head": head, "stop_threshold": HEAD_THRESHOLD}
@@ -158,12 +126,12 @@ def runs() -> dict[str, Any]:
         def counted(name: str, fn: Any) -> Any:
             keys = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
                     "vllm:spec_decode_num_drafts")
-            before = [_counter(llm, k) for k in keys]
+            before = [counter(llm, k) for k in keys]
             pos_before = _per_pos(llm)
             rec.rounds.clear()
             t0 = time.perf_counter()
             result = fn()
-            after = [_counter(llm, k) for k in keys]
+            after = [counter(llm, k) for k in keys]
             pos_after = _per_pos(llm)
             pos_before += [0.0] * (len(pos_after) - len(pos_before))
             out[name + "_counts"] = dict(
@@ -177,35 +145,35 @@ def runs() -> dict[str, Any]:
 
         # With the acceptance head given in the config (SpecDec++ stop) ...
         out["ragged"] = counted(
-            "ragged", lambda: _ids(_generate(llm, prompts["ragged"], _greedy())))
+            "ragged", lambda: output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS))))
         # ... and from here on with the training-free confidence stop.
         runner.drafter.head = None
         runner.drafter.settings["acceptance_head"] = None
         out["short"] = counted(
-            "short", lambda: _ids(_generate(llm, prompts["short"], _greedy())))
+            "short", lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
         # Prefix caching: the same prompts again hit the cache (whole 32-token blocks:
         # the long ragged prompt has several).
-        hits = _counter(llm, "vllm:prefix_cache_hits")
-        out["ragged_again"] = _ids(_generate(llm, prompts["ragged"], _greedy()))
-        out["prefix_hits"] = _counter(llm, "vllm:prefix_cache_hits") - hits
-        out["stops"] = _ids(_generate(llm, prompts["short"], [
-            _greedy(1), _greedy(2), _greedy(5), _greedy(K_MAX + 1)]))
-        out["mixed"] = _ids(_generate(llm, prompts["short"], _mixed()))
-        out["mixed_again"] = _ids(_generate(llm, prompts["short"], _mixed()))
+        hits = counter(llm, "vllm:prefix_cache_hits")
+        out["ragged_again"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["prefix_hits"] = counter(llm, "vllm:prefix_cache_hits") - hits
+        out["stops"] = output_ids(generate(llm, prompts["short"], [
+            greedy(1), greedy(2), greedy(5), greedy(K_MAX + 1)]))
+        out["mixed"] = output_ids(generate(llm, prompts["short"], mixed(NEW_TOKENS)))
+        out["mixed_again"] = output_ids(generate(llm, prompts["short"], mixed(NEW_TOKENS)))
         n3 = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16)
         # One prompt: its three children prefill in one step (a seeded request prefilled
         # in chunks hits vLLM's CPU generator defect, docs/upstream-vllm-cpu-adapter-defects.md).
         out["n3"] = [[list(c.token_ids) for c in o.outputs]
-                     for o in _generate(llm, prompts["short"][:1], n3)]
+                     for o in generate(llm, prompts["short"][:1], n3)]
         out["n3_again"] = [[list(c.token_ids) for c in o.outputs]
-                           for o in _generate(llm, prompts["short"][:1], n3)]
+                           for o in generate(llm, prompts["short"][:1], n3)]
         for mode in ("sampled", "greedy"):
             runner.drafter.settings["draft_sampling"] = mode
             params = [SamplingParams(temperature=STAT_TEMPERATURE, top_k=STAT_TOP_K,
                                      seed=10_000 * (mode == "greedy") + i, max_tokens=3)
                       for i in range(N_STAT)]
             out["stat_" + mode] = counted("stat_" + mode, lambda params=params: [
-                tuple(x) for x in _ids(_generate(llm, prompts["stat"] * N_STAT, params))])
+                tuple(x) for x in output_ids(generate(llm, prompts["stat"] * N_STAT, params))])
         runner.drafter.settings["draft_sampling"] = "sampled"
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         preempt = sched._preempt_request
@@ -216,7 +184,7 @@ def runs() -> dict[str, Any]:
             return preempt(*a, **k)
 
         sched._preempt_request = counting
-        out["many"] = _ids(_generate(llm, prompts["many"], _greedy(150)))
+        out["many"] = output_ids(generate(llm, prompts["many"], greedy(150)))
         sched._preempt_request = preempt
         out["preemptions"] = count[0]
         out["stats"] = runner.drafter.specx_stats()

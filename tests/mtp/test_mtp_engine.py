@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from engine_requests import counter, generate, greedy, mixed, output_ids
 
 pytestmark = pytest.mark.engine
 
@@ -62,15 +63,6 @@ class Recorder:
         drafter.propose = propose
 
 
-def _counter(llm: Any, name: str) -> float:
-    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
-
-
-def _ids(outputs: Any) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids)
-            for o in sorted(outputs, key=lambda o: int(o.request_id))]
-
-
 def _prompts() -> dict[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
@@ -87,30 +79,6 @@ def _prompts() -> dict[str, list[list[int]]]:
     }
 
 
-def _greedy(n: int = NEW_TOKENS) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _mixed() -> list[Any]:
-    from vllm import SamplingParams
-
-    return [
-        _greedy(),
-        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, max_tokens=NEW_TOKENS),
-        _greedy(),
-        SamplingParams(temperature=0.7, seed=8, max_tokens=NEW_TOKENS),
-    ]
-
-
-def _generate(llm: Any, prompts: list[list[int]], params: Any) -> Any:
-    from vllm.inputs import TokensPrompt
-
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     from vllm import SamplingParams
@@ -122,11 +90,11 @@ def runs() -> dict[str, Any]:
     prompts = _prompts()
     out: dict[str, Any] = {"prompts": prompts}
     with running_llm(target, **ENGINE_KW) as llm:
-        out["plain_ragged"] = _ids(_generate(llm, prompts["ragged"], _greedy()))
-        out["plain_short"] = _ids(_generate(llm, prompts["short"], _greedy()))
-        out["plain_many"] = _ids(_generate(llm, prompts["many"], _greedy(64)))
-        out["plain_stops"] = _ids(_generate(llm, prompts["short"], [
-            _greedy(1), _greedy(2), _greedy(3), _greedy(K + 1)]))
+        out["plain_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["plain_short"] = output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS)))
+        out["plain_many"] = output_ids(generate(llm, prompts["many"], greedy(64)))
+        out["plain_stops"] = output_ids(generate(llm, prompts["short"], [
+            greedy(1), greedy(2), greedy(3), greedy(K + 1)]))
 
     llm = make_llm(target, speculative_config=SPEC, **ENGINE_KW)
     try:
@@ -144,11 +112,11 @@ def runs() -> dict[str, Any]:
         def counted(name: str, fn: Any) -> Any:
             keys = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
                     "vllm:spec_decode_num_drafts")
-            before = [_counter(llm, k) for k in keys]
+            before = [counter(llm, k) for k in keys]
             rec.rounds.clear()
             rec.req_ids.clear()
             result = fn()
-            after = [_counter(llm, k) for k in keys]
+            after = [counter(llm, k) for k in keys]
             out[name + "_counts"] = dict(drafted=after[0] - before[0],
                                          accepted=after[1] - before[1],
                                          drafts=after[2] - before[2])
@@ -157,17 +125,17 @@ def runs() -> dict[str, Any]:
             return result
 
         out["ragged"] = counted(
-            "ragged", lambda: _ids(_generate(llm, prompts["ragged"], _greedy())))
+            "ragged", lambda: output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS))))
         out["short"] = counted(
-            "short", lambda: _ids(_generate(llm, prompts["short"], _greedy())))
-        out["stops"] = _ids(_generate(llm, prompts["short"], [
-            _greedy(1), _greedy(2), _greedy(3), _greedy(K + 1)]))
-        out["mixed"] = _ids(_generate(llm, prompts["short"], _mixed()))
-        out["mixed_again"] = _ids(_generate(llm, prompts["short"], _mixed()))
+            "short", lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
+        out["stops"] = output_ids(generate(llm, prompts["short"], [
+            greedy(1), greedy(2), greedy(3), greedy(K + 1)]))
+        out["mixed"] = output_ids(generate(llm, prompts["short"], mixed(NEW_TOKENS)))
+        out["mixed_again"] = output_ids(generate(llm, prompts["short"], mixed(NEW_TOKENS)))
         params = [SamplingParams(temperature=1.0, top_k=STAT_TOP_K, seed=i, max_tokens=2)
                   for i in range(N_STAT)]
         out["stat"] = counted("stat", lambda: [
-            tuple(x) for x in _ids(_generate(llm, prompts["stat"] * N_STAT, params))])
+            tuple(x) for x in output_ids(generate(llm, prompts["stat"] * N_STAT, params))])
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         preempt = sched._preempt_request
         count = [0]
@@ -177,14 +145,14 @@ def runs() -> dict[str, Any]:
             return preempt(*a, **k)
 
         sched._preempt_request = counting
-        out["many"] = _ids(_generate(llm, prompts["many"], _greedy(64)))
+        out["many"] = output_ids(generate(llm, prompts["many"], greedy(64)))
         sched._preempt_request = preempt
         out["preemptions"] = count[0]
         out["stats"] = runner.drafter.specx_stats()
         # Fixed K: the same engine with the adaptive stop switched off.
         runner.drafter.settings["adaptive"] = False
         out["fixed"] = counted(
-            "fixed", lambda: _ids(_generate(llm, prompts["ragged"], _greedy())))
+            "fixed", lambda: output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS))))
     finally:
         shutdown_llm(llm)
     return out

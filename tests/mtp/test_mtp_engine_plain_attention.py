@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from engine_requests import counter, generate, greedy, output_ids
 
 pytestmark = pytest.mark.engine
 
@@ -34,24 +35,6 @@ ENGINE_KW: dict[str, Any] = dict(
 )
 SPEC = {"method": "specx_mtp", "num_speculative_tokens": K, "adaptive": True,
         "stop_threshold": 0.5}
-
-
-def _counter(llm: Any, name: str) -> float:
-    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
-
-
-def _ids(outputs: Any) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids)
-            for o in sorted(outputs, key=lambda o: int(o.request_id))]
-
-
-def _generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return _ids(llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                             use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +70,7 @@ def runs(mla_disabled: None, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     prompts = [long, *(tok(t)["input_ids"][:40] for t in texts[4:6])]
     out: dict[str, Any] = {}
     with running_llm(target, **ENGINE_KW) as llm:
-        out["plain"] = _generate(llm, prompts)
+        out["plain"] = output_ids(generate(llm, prompts, greedy(NEW_TOKENS)))
     llm = make_llm(target, speculative_config={**SPEC, "acceptance_head": str(head)},
                    **ENGINE_KW)
     try:
@@ -97,12 +80,12 @@ def runs(mla_disabled: None, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         out["chunked"] = config.scheduler_config.enable_chunked_prefill
         out["drafter"] = type(runner.drafter).__name__
         out["stop_rule"] = type(runner.drafter.stop_rule(K)).__name__
-        out["spec"] = _generate(llm, prompts)
-        hits = _counter(llm, "vllm:prefix_cache_hits")
-        accepted = _counter(llm, "vllm:spec_decode_num_accepted_tokens")
-        out["again"] = _generate(llm, prompts)
-        out["prefix_hits"] = _counter(llm, "vllm:prefix_cache_hits") - hits
-        out["accepted_again"] = _counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted
+        out["spec"] = output_ids(generate(llm, prompts, greedy(NEW_TOKENS)))
+        hits = counter(llm, "vllm:prefix_cache_hits")
+        accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
+        out["again"] = output_ids(generate(llm, prompts, greedy(NEW_TOKENS)))
+        out["prefix_hits"] = counter(llm, "vllm:prefix_cache_hits") - hits
+        out["accepted_again"] = counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted
     finally:
         shutdown_llm(llm)
     return out

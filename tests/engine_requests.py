@@ -1,0 +1,44 @@
+"""Requests and read-outs shared by the engine tests of the speculative methods
+(``tests/adaptive``, ``tests/mtp``): token-id prompts in, output ids back in request order,
+greedy and mixed sampling parameters, vLLM's counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def counter(llm: Any, name: str) -> float:
+    """The sum of vLLM metric ``name`` (e.g. ``vllm:spec_decode_num_draft_tokens``)."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+def output_ids(outputs: Any) -> list[list[int]]:
+    """Each request's generated token ids, in the order the requests were made."""
+    return [list(o.outputs[0].token_ids)
+            for o in sorted(outputs, key=lambda o: int(o.request_id))]
+
+
+def greedy(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def mixed(max_tokens: int) -> list[Any]:
+    """Greedy and seeded sampled rows in one batch: greedy, top-k/top-p, greedy, T=0.7."""
+    from vllm import SamplingParams
+
+    return [
+        greedy(max_tokens),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, max_tokens=max_tokens),
+        greedy(max_tokens),
+        SamplingParams(temperature=0.7, seed=8, max_tokens=max_tokens),
+    ]
+
+
+def generate(llm: Any, prompts: list[list[int]], params: Any) -> Any:
+    """``llm.generate`` on token-id prompts."""
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
