@@ -4,7 +4,10 @@ greedy and mixed sampling parameters, vLLM's counters."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def counter(llm: Any, name: str) -> float:
@@ -42,3 +45,22 @@ def generate(llm: Any, prompts: list[list[int]], params: Any) -> Any:
 
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         use_tqdm=False)
+
+
+def run_counting_preemptions(llm: Any, run: Callable[[], T]) -> tuple[T, int]:
+    """``run()``, and how many times the scheduler preempted a request during it (its
+    private ``_preempt_request`` is wrapped for the call and restored afterwards)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    original = sched._preempt_request
+    count = 0
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal count
+        count += 1
+        return original(*args, **kwargs)
+
+    sched._preempt_request = counting
+    try:
+        return run(), count
+    finally:
+        sched._preempt_request = original

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from engine_requests import counter, generate, greedy, mixed, output_ids
+from engine_requests import (
+    counter,
+    generate,
+    greedy,
+    mixed,
+    output_ids,
+    run_counting_preemptions,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -175,18 +182,8 @@ def runs() -> dict[str, Any]:
             out["stat_" + mode] = counted("stat_" + mode, lambda params=params: [
                 tuple(x) for x in output_ids(generate(llm, prompts["stat"] * N_STAT, params))])
         runner.drafter.settings["draft_sampling"] = "sampled"
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
-        preempt = sched._preempt_request
-        count = [0]
-
-        def counting(*a: Any, **k: Any) -> Any:
-            count[0] += 1
-            return preempt(*a, **k)
-
-        sched._preempt_request = counting
-        out["many"] = output_ids(generate(llm, prompts["many"], greedy(150)))
-        sched._preempt_request = preempt
-        out["preemptions"] = count[0]
+        out["many"], out["preemptions"] = run_counting_preemptions(
+            llm, lambda: output_ids(generate(llm, prompts["many"], greedy(150))))
         out["stats"] = runner.drafter.specx_stats()
     finally:
         shutdown_llm(llm)

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from engine_requests import counter, generate, greedy, mixed, output_ids
+from engine_requests import (
+    counter,
+    generate,
+    greedy,
+    mixed,
+    output_ids,
+    run_counting_preemptions,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -136,18 +143,8 @@ def runs() -> dict[str, Any]:
                   for i in range(N_STAT)]
         out["stat"] = counted("stat", lambda: [
             tuple(x) for x in output_ids(generate(llm, prompts["stat"] * N_STAT, params))])
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
-        preempt = sched._preempt_request
-        count = [0]
-
-        def counting(*a: Any, **k: Any) -> Any:
-            count[0] += 1
-            return preempt(*a, **k)
-
-        sched._preempt_request = counting
-        out["many"] = output_ids(generate(llm, prompts["many"], greedy(64)))
-        sched._preempt_request = preempt
-        out["preemptions"] = count[0]
+        out["many"], out["preemptions"] = run_counting_preemptions(
+            llm, lambda: output_ids(generate(llm, prompts["many"], greedy(64))))
         out["stats"] = runner.drafter.specx_stats()
         # Fixed K: the same engine with the adaptive stop switched off.
         runner.drafter.settings["adaptive"] = False
