@@ -68,3 +68,44 @@ def test_top_k_only_passes_an_empty_batch_through():
                                        allow_cpu_sync=True)
     assert torch.isfinite(masked).sum(dim=1).tolist() == [2, 2]
     assert torch.isfinite(masked[0]).tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "is_last_rank", "expected_receives"),
+    [(1, True, 0), (2, True, 0), (2, False, 1)],
+)
+def test_seeded_partial_prefill_leaves_the_early_return_to_vllm(
+    monkeypatch, world_size, is_last_rank, expected_receives
+):
+    """A runner with no model state (a pipeline-parallel rank that is not the last, a
+    KV-transfer-only step) takes vLLM's early return: the patched ``sample_tokens`` must
+    not read ``input_batch``, which such a runner may not have. Built the way vLLM's own
+    test_sample_tokens_receives_pp_sampled_ids_only_on_non_last_rank builds it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patched = GPUModelRunner.sample_tokens
+    assert patched.__specx_patch__ == "cpu_seeded_partial_prefill"  # the fix is on
+
+    def bare_runner(receives: list[int]) -> GPUModelRunner:
+        runner = GPUModelRunner.__new__(GPUModelRunner)  # no input_batch
+        runner.execute_model_state = None
+        runner.kv_connector_output = None
+        runner.use_async_scheduling = True
+        runner._pp_receive_prev_sampled_token_ids_to_input_batch = lambda: receives.append(1)
+        return runner
+
+    monkeypatch.setattr(
+        gpu_model_runner,
+        "get_pp_group",
+        lambda: SimpleNamespace(world_size=world_size, is_last_rank=is_last_rank),
+    )
+    ours: list[int] = []
+    vllms: list[int] = []
+    output = patched(bare_runner(ours), None)
+    expected = patched.__specx_original__(bare_runner(vllms), None)
+    assert output is expected is EMPTY_MODEL_RUNNER_OUTPUT
+    assert len(ours) == len(vllms) == expected_receives

@@ -129,20 +129,24 @@ class OverrideRegistrationOnce(VllmPatch):
         return register_once
 
 
-def _hold_seeded_discarded(runner: Any) -> dict[int, Any]:
+def _hold_seeded_discarded(runner: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     """Remove from ``runner.input_batch.generators`` the CPU generators of the requests
-    whose sampled token this step discards (a partial prefill); return them."""
-    batch = runner.input_batch
-    generators = batch.generators
+    whose sampled token this step discards (a partial prefill).
+
+    Returns the generators dict and what was taken out of it. Only called on the step
+    that samples (``execute_model_state`` set), where vLLM itself reads these attributes.
+    """
+    generators = runner.input_batch.generators
     if not generators:
-        return {}
-    discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+        return generators, {}
+    num_reqs = runner.input_batch.num_reqs
+    discarded = runner.discard_request_mask.np[:num_reqs].nonzero()[0]
     held: dict[int, Any] = {}
     for index in discarded.tolist():
         gen = generators.get(index)
         if gen is not None and gen.device.type == "cpu":
             held[index] = generators.pop(index)
-    return held
+    return generators, held
 
 
 class SeededPartialPrefill(VllmPatch):
@@ -164,13 +168,22 @@ class SeededPartialPrefill(VllmPatch):
 
     def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def sample_tokens(runner: Any, *args: Any, **kwargs: Any) -> Any:
-            held = _hold_seeded_discarded(runner)
+            # vLLM returns early, touching neither the batch nor any generator, when this
+            # rank has no model state: a pipeline-parallel rank that is not the last, a
+            # KV-transfer-only step. Those paths (and runners built without an
+            # input_batch, as vLLM's own tests do) reach the original untouched.
+            if (getattr(runner, "execute_model_state", None) is None
+                    or getattr(runner, "input_batch", None) is None):
+                return original(runner, *args, **kwargs)
+            generators, held = _hold_seeded_discarded(runner)
+            if not held:
+                return original(runner, *args, **kwargs)
             try:
                 return original(runner, *args, **kwargs)
             finally:
                 # The same dict the sampling metadata holds (InputBatch passes it by
                 # reference), so the requests get their own generators back next step.
-                runner.input_batch.generators.update(held)
+                generators.update(held)
 
         return sample_tokens
 
