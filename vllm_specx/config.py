@@ -13,13 +13,12 @@ vLLM's method names and config fields, and the device limits.
 from __future__ import annotations
 
 import json
-import os
-import struct
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# Re-exported: callers ask config validation whether a head fits.
+from vllm_specx.acceptance_head_files import acceptance_head_problem, read_safetensors_shapes
 from vllm_specx.methods import (
     COMMON_KNOBS,
     CONFLICTING_VLLM_KEYS,
@@ -35,6 +34,21 @@ if TYPE_CHECKING:  # validation needs the limits' values, not torch (backends im
     from vllm_specx.backends.base import DeviceLimits
 
 SPECX_CONFIG_KEY = "specx"  # key under vLLM's additional_config
+
+__all__ = [
+    "SPECX_CONFIG_KEY", "SpecxConfigError", "Translation", "acceptance_head_problem",
+    "read_safetensors_shapes", "refusal_error", "resolve_method", "specx_settings",
+    "speculative_config_dict", "translate",
+]
+
+
+def specx_settings(vllm_config: Any) -> dict[str, Any] | None:
+    """The specx settings a VllmConfig carries (``additional_config["specx"]``, written by
+    :func:`translate`'s caller), or None when no specx method is on."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict):
+        return extra.get(SPECX_CONFIG_KEY)
+    return None
 
 
 class SpecxConfigError(ValueError):
@@ -244,61 +258,3 @@ def _check_keys(config: Mapping[str, Any], spec: MethodSpec, vllm_fields: Collec
                 spec.name,
             )
         raise _bad(key, value, "unknown key; allowed keys: " + ", ".join(allowed), spec.name)
-
-
-def _looks_like_local_path(value: str) -> bool:
-    return value.startswith(("/", ".", "~")) or os.sep + os.sep in value or value.count("/") != 1
-
-
-def read_safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a safetensors header (no torch needed)."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
-
-
-def acceptance_head_problem(
-    head: str,
-    *,
-    draft_model: str | None,
-    hidden_size: int | None = None,
-    whose: str = "the draft model's",
-) -> str | None:
-    """Why an acceptance head does not exist or does not fit the draft model (what is
-    allowed instead), or None when it is acceptable.
-
-    A local head is a directory with ``model.safetensors`` whose output layer maps the
-    draft's hidden size to 2 classes (reject, accept). A hub id that is not a local
-    directory is accepted here and resolved when the head is loaded.
-    """
-    path = Path(head).expanduser()
-    if not path.exists():
-        if _looks_like_local_path(head):
-            return "an existing directory (this path does not exist) or a hub id like org/name"
-        return None
-    weights = path / "model.safetensors"
-    if not path.is_dir() or not weights.is_file():
-        return "a directory containing model.safetensors (an acceptance head)"
-    shapes = read_safetensors_shapes(weights)
-    outputs = {k: s for k, s in shapes.items() if len(s) == 2 and s[0] == 2}
-    if not outputs:
-        return ("a head whose output layer has shape [2, hidden] "
-                f"(found {sorted(shapes.items())[:4]})")
-    head_hidden = next(iter(outputs.values()))[1]
-    draft_hidden = hidden_size if hidden_size is not None else _local_hidden_size(draft_model)
-    if draft_hidden is not None and draft_hidden != head_hidden:
-        return (f"a head for hidden size {draft_hidden} ({whose}); this head "
-                f"expects hidden size {head_hidden}")
-    return None
-
-
-def _local_hidden_size(model: str | None) -> int | None:
-    if model is None:
-        return None
-    cfg = Path(model).expanduser() / "config.json"
-    if not cfg.is_file():
-        return None
-    data = json.loads(cfg.read_text())
-    data = data.get("text_config", data)
-    return data.get("hidden_size")

@@ -5,16 +5,20 @@ Pure Python (no vLLM, no torch): the single source for a method's name, knobs
 proposer. Config validation, the runner hook, the sampler, the README defaults table
 and ``vllm-specx methods`` all read this module.
 
-Adding a method: one :class:`MethodSpec` entry in :data:`METHODS` (with a proposer
-factory that imports its class lazily) plus one proposer file in ``vllm_specx/glue/``.
+Adding a method: one :class:`MethodSpec` entry in :data:`METHODS` (naming its proposer
+class with :func:`named`, so nothing here imports the glue) plus one proposer file in
+``vllm_specx/glue/``; the README's "For contributors" walks through it.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from vllm_specx.algorithms import stop_defaults
 
 if TYPE_CHECKING:  # methods.py must import without torch or vLLM
     from vllm_specx.backends.base import DeviceLimits
@@ -153,12 +157,13 @@ ACCEPTANCE_THRESHOLD = Knob(
     _half_open_unit,
 )
 MIN_SPECULATIVE_TOKENS = Knob(
-    "min_speculative_tokens", "int", 1, "an integer >= 1 and <= num_speculative_tokens",
+    "min_speculative_tokens", "int", stop_defaults.MIN_TOKENS,
+    "an integer >= 1 and <= num_speculative_tokens",
     "never stop a draft before this many tokens",
     _int_at_least(1),
 )
 STOP_THRESHOLD = Knob(
-    "stop_threshold", "float", 0.7, "a number in (0, 1)",
+    "stop_threshold", "float", stop_defaults.STOP_THRESHOLD, "a number in (0, 1)",
     "SpecDec++'s h: stop drafting once the predicted probability that some draft token "
     "so far is rejected exceeds h",
     _open_unit,
@@ -169,17 +174,18 @@ ACCEPTANCE_HEAD = Knob(
     "is used",
 )
 CONFIDENCE_THRESHOLD = Knob(
-    "confidence_threshold", "float", 0.5, "a number in (0, 1)",
+    "confidence_threshold", "float", stop_defaults.CONFIDENCE_THRESHOLD, "a number in (0, 1)",
     "training-free policy: stop when the draft's own probability of its token falls "
     "under this",
     _open_unit,
 )
 CONFIDENCE_SIGNAL = Knob(
-    "confidence_signal", "str", "token_prob", '"token_prob", "max_prob" or "top2_margin"',
+    "confidence_signal", "str", stop_defaults.CONFIDENCE_SIGNAL,
+    '"token_prob", "max_prob" or "top2_margin"',
     "training-free policy: which confidence of the draft is compared with "
     "confidence_threshold: the probability of the drafted token, the draft's largest "
     "probability, or the gap between its two largest",
-    lambda v: v in ("token_prob", "max_prob", "top2_margin"),
+    lambda v: v in stop_defaults.CONFIDENCE_SIGNALS,
 )
 DRAFT_SAMPLING = Knob(
     "draft_sampling", "str", "sampled", '"sampled" or "greedy"',
@@ -239,35 +245,24 @@ def acceptance_head_fits_draft(ctx: CheckContext) -> Refusal | None:
     head = ctx.settings["acceptance_head"]
     if head is None:
         return None
-    from vllm_specx.config import acceptance_head_problem  # reads files: kept out of here
+    from vllm_specx.acceptance_head_files import acceptance_head_problem  # reads files
 
     problem = acceptance_head_problem(head, draft_model=ctx.model)
     return None if problem is None else Refusal("acceptance_head", head, problem)
 
 
-# -- proposers (imported lazily: this module must import without vLLM or torch) ----------
-def _mtad_proposer() -> type:
-    from vllm_specx.glue.mtad_proposer import MTADProposer
+# -- names of glue code (imported on first use: this module imports no vLLM, no torch) -----
+def named(target: str) -> Callable[[], Any]:
+    """``"package.module:attribute"`` as a zero-argument callable that imports the module
+    and returns the attribute: how the registry names a proposer class (or a glue
+    function) without importing vLLM or torch, or the glue importing this module back."""
+    module, _, attribute = target.partition(":")
 
-    return MTADProposer
+    def load() -> Any:
+        return getattr(importlib.import_module(module), attribute)
 
-
-def _adaptive_proposer() -> type:
-    from vllm_specx.glue.adaptive_proposer import AdaptiveProposer
-
-    return AdaptiveProposer
-
-
-def _specx_mtp_npu_proposer() -> type:
-    from vllm_specx.glue.ascend import specx_mtp_npu_proposer
-
-    return specx_mtp_npu_proposer()
-
-
-def _mtp_proposer() -> type:
-    from vllm_specx.glue.mtp_proposer import MtpProposer
-
-    return MtpProposer
+    load.__qualname__ = load.__name__ = f"named({target!r})"
+    return load
 
 
 def _requires_adaptive(knob: Knob) -> Knob:
@@ -292,7 +287,7 @@ METHODS: dict[str, MethodSpec] = {
             knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, GREEDY_DRAFTING, HETEROGENEOUS_VOCAB),
             checks=(beam_positions_fit_device,),
             rule="mtad",
-            proposer=_mtad_proposer,
+            proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
             available=True,
         ),
         MethodSpec(
@@ -306,7 +301,7 @@ METHODS: dict[str, MethodSpec] = {
             knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
                    CONFIDENCE_SIGNAL, DRAFT_SAMPLING),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
-            proposer=_adaptive_proposer,
+            proposer=named("vllm_specx.glue.adaptive_proposer:AdaptiveProposer"),
             available=True,
             ragged_drafts=True,
         ),
@@ -326,10 +321,12 @@ METHODS: dict[str, MethodSpec] = {
                 )),
             ),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
-            proposer=_mtp_proposer,
+            proposer=named("vllm_specx.glue.mtp_proposer:MtpProposer"),
             available=True,
             ragged_drafts=True,  # the adaptive stop drafts per-request lengths
-            npu_proposer=_specx_mtp_npu_proposer,  # vLLM-Ascend's MTP drafts, specx sampler
+            # vLLM-Ascend's own MTP proposer (greedy MTP drafts, one-hot q), verified by
+            # the specx sampler; the adaptive stop is refused on NPU.
+            npu_proposer=named("vllm_ascend.spec_decode.eagle_proposer:AscendEagleProposer"),
         ),
     )
 }

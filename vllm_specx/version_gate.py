@@ -66,6 +66,12 @@ def installed_version(distribution: str) -> str:
         return "unknown"
 
 
+# The vLLM-Ascend source the Ascend hooks (vllm_specx/glue/ascend.py) were read against
+# (github vllm-project/vllm-ascend, branch main; .github/vllm-release-tag.commit there
+# names the vLLM release it tracks).
+ASCEND_MIRROR = "vllm-ascend main@182b75ea84 (2026-08-22, tracking vLLM 0.27.1)"
+ASCEND_MIRROR_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
+
 # vLLM-Ascend/vLLM pairs the Ascend hooks (vllm_specx/glue/ascend.py) were run on an NPU
 # with. None yet: they were written against vllm-ascend main@182b75ea84 (2026-08-22),
 # which tracks vLLM 0.27.1, and checked with fakes of that source only.
@@ -77,8 +83,6 @@ def vllm_ascend_pair_note(ascend_version: str | None = None,
     """One line when the installed vLLM-Ascend/vLLM pair is not one the Ascend hooks
     were verified on (None when it is). Which vLLM-Ascend release pairs with which vLLM
     release is vLLM-Ascend's choice (same X.Y.Z); this only says what is installed."""
-    from vllm_specx.glue.ascend import ASCEND_MIRROR
-
     if ascend_version is None:
         ascend_version = installed_version("vllm_ascend")
     if vllm_version is None:

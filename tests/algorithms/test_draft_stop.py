@@ -180,7 +180,8 @@ def test_make_stop_rule_picks_and_validates():
     assert isinstance(rule, ConfidenceStop) and not rule.needs_hidden and rule.needs_probs
     assert (rule.min_tokens, rule.max_tokens, rule.threshold, rule.signal) == (2, 5, 0.3,
                                                                                 "max_prob")
-    # Knob defaults come from vllm_specx.methods (one source of truth).
+    # Left-out settings take the rule's defaults (algorithms/stop_defaults.py, which
+    # vllm_specx.methods also reads for the adaptive knobs: one source).
     rule = make_stop_rule({"num_speculative_tokens": 3}, None)
     assert (rule.threshold, rule.signal, rule.min_tokens) == (0.5, "token_prob", 1)
     rule = make_stop_rule({"num_speculative_tokens": 3, "confidence_signal": "top2_margin"},

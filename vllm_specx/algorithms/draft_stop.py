@@ -40,10 +40,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from vllm_specx.methods import CONFIDENCE_THRESHOLD, MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD
+from vllm_specx.algorithms import stop_defaults
+from vllm_specx.algorithms.stop_defaults import CONFIDENCE_SIGNALS
 
-CONFIDENCE_SIGNALS = ("token_prob", "max_prob", "top2_margin")
-DEFAULT_CONFIDENCE_SIGNAL = "token_prob"
+DEFAULT_CONFIDENCE_SIGNAL = stop_defaults.CONFIDENCE_SIGNAL
 
 
 @runtime_checkable
@@ -238,7 +238,9 @@ def make_stop_rule(
 
     ``num_speculative_tokens`` is K_max. With a loaded ``head`` the rule is :class:`HeadStop`
     (``stop_threshold``), without one :class:`ConfidenceStop` (``confidence_threshold`` and
-    the ``confidence_signal`` setting, else the argument). A settings dict that names an
+    the ``confidence_signal`` setting, else the argument). A setting left out falls back
+    to the rule's own default (:mod:`.stop_defaults`); a method with defaults of its own
+    passes them in ``settings``. A settings dict that names an
     ``acceptance_head`` while ``head`` is None is refused: the caller loads the head
     (``load_head``) on its own device and dtype.
     """
@@ -246,7 +248,7 @@ def make_stop_rule(
         raise ValueError("num_speculative_tokens is required (K_max of the adaptive draft)")
     max_tokens = int(settings["num_speculative_tokens"])
     min_tokens = settings.get("min_speculative_tokens")
-    min_tokens = int(MIN_SPECULATIVE_TOKENS.default if min_tokens is None else min_tokens)
+    min_tokens = int(stop_defaults.MIN_TOKENS if min_tokens is None else min_tokens)
     if not 1 <= min_tokens <= max_tokens:
         raise ValueError(
             f"min_speculative_tokens={min_tokens} is not allowed; allowed: an integer >= 1 and "
@@ -254,7 +256,7 @@ def make_stop_rule(
         )
     if head is not None:
         h = settings.get("stop_threshold")
-        h = float(STOP_THRESHOLD.default if h is None else h)
+        h = float(stop_defaults.STOP_THRESHOLD if h is None else h)
         return HeadStop(head, h, min_tokens=min_tokens, max_tokens=max_tokens)
     if settings.get("acceptance_head"):
         raise ValueError(
@@ -262,7 +264,7 @@ def make_stop_rule(
             "load it with vllm_specx.algorithms.acceptance_head.load_head first"
         )
     threshold = settings.get("confidence_threshold")
-    threshold = float(CONFIDENCE_THRESHOLD.default if threshold is None else threshold)
+    threshold = float(stop_defaults.CONFIDENCE_THRESHOLD if threshold is None else threshold)
     # A "confidence_signal" setting (if the method grows that knob) wins over the argument.
     signal = settings.get("confidence_signal") or confidence_signal
     return ConfidenceStop(threshold, signal, min_tokens=min_tokens, max_tokens=max_tokens)

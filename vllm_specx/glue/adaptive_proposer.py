@@ -40,11 +40,8 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 
-from vllm_specx.algorithms.beam_draft import (
-    greedy_mask_from_temperature,
-    gumbel_noise,
-    warp_logprobs,
-)
+from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
+from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule
 from vllm_specx.glue.draft_passes import (
     LookaheadPasses,
@@ -99,39 +96,6 @@ class AdaptiveDraftStats:
             "padded_lookahead_rows": self.padded_lookahead_rows,
             "length_histogram": {str(k): v for k, v in sorted(self.length_histogram.items())},
         }
-
-
-def _draw(
-    logits: torch.Tensor,
-    sampling_metadata: SamplingMetadata,
-    rows: torch.Tensor,
-    greedy: torch.Tensor,
-    generators: dict[int, torch.Generator],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one draft token for each of ``rows`` (indices into the batch).
-
-    Returns (tokens [n], warped probabilities [n, V]); greedy rows take the argmax of the
-    raw logits (as vLLM's drafter does) and report the unwarped softmax.
-    """
-    md = sampling_metadata
-    dev_rows = rows.to(logits.device)
-
-    def sel(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[dev_rows]
-
-    if md.temperature is None:  # every request greedy
-        probs = logits.float().softmax(dim=-1)
-        return logits.argmax(dim=-1), probs
-    logq = warp_logprobs(logits, sel(md.temperature), sel(md.top_k), sel(md.top_p))
-    row_greedy = greedy[dev_rows]
-    local_generators = {
-        i: generators[int(r)] for i, r in enumerate(rows.tolist()) if int(r) in generators
-    }
-    noise = gumbel_noise(logq.shape[0], logq.shape[1], logq.device, local_generators,
-                         rows=~row_greedy)
-    sampled = (logq + noise).argmax(dim=-1)
-    tokens = torch.where(row_greedy, logits.argmax(dim=-1), sampled)
-    return tokens, logq.exp()
 
 
 class AdaptiveProposer(SpecxDraftModelProposer):
@@ -230,7 +194,10 @@ class AdaptiveProposer(SpecxDraftModelProposer):
             # Y_{depth+1} is drawn from q_{depth+1} (the first pass's logits at depth 0,
             # else those after feeding Y_depth) and joins the draft of every live request.
             logits = self.model.compute_logits(hidden)
-            y, probs = _draw(logits, sampling_metadata, live, draw_greedy, generators)
+            y, probs = draw_draft_tokens(
+                logits, live, draw_greedy, generators, sampling_metadata.temperature,
+                sampling_metadata.top_k, sampling_metadata.top_p,
+            )
             if q_full is None and keep_q:
                 q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
                                      device=device)

@@ -39,17 +39,23 @@ import importlib.util
 import logging
 from typing import Any
 
-from vllm_specx.config import SpecxConfigError
+from vllm_specx.config import SpecxConfigError, specx_settings
 from vllm_specx.glue.patch_base import PatchTargetMissing, VllmPatch
 from vllm_specx.methods import METHODS, MethodSpec
+from vllm_specx.version_gate import (
+    ASCEND_MIRROR,
+    ASCEND_MIRROR_COMMIT,
+    installed_version,
+    vllm_ascend_pair_note,
+)
+
+# ASCEND_MIRROR_COMMIT is read from here by tests and docs (the mirror's exact commit).
+__all__ = ["ASCEND_MIRROR", "ASCEND_MIRROR_COMMIT", "ASCEND_PATCHES", "apply_if_ascend",
+           "build_npu_drafter", "specx_ascend_sampler_class", "validate_on_ascend"]
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
 ASCEND = "ascend"
-# The vLLM-Ascend source the patches were read against (github vllm-project/vllm-ascend,
-# branch main; .github/vllm-release-tag.commit there names the vLLM release it tracks).
-ASCEND_MIRROR = "vllm-ascend main@182b75ea84 (2026-08-22, tracking vLLM 0.27.1)"
-ASCEND_MIRROR_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
 
 # Settings a method's NPU drafter does not implement: method -> knob -> (value, why).
 NPU_UNSUPPORTED_SETTINGS: dict[str, dict[str, tuple[Any, str]]] = {
@@ -71,12 +77,6 @@ def ascend_installed() -> bool:
 def runner_is_ascend(runner: Any) -> bool:
     """The runner is vLLM-Ascend's (its own hooks install specx components there)."""
     return any(cls.__module__.startswith("vllm_ascend.") for cls in type(runner).__mro__)
-
-
-def specx_settings(vllm_config: Any) -> dict[str, Any] | None:
-    from vllm_specx.glue.patches import specx_settings as settings_of
-
-    return settings_of(vllm_config)
 
 
 def npu_capable_methods() -> list[str]:
@@ -184,8 +184,6 @@ def validate_on_ascend(vllm_config: Any, settings: dict[str, Any]) -> None:
         )
     if refusal is not None:
         raise SpecxConfigError(refusal)
-    from vllm_specx.version_gate import vllm_ascend_pair_note
-
     note = vllm_ascend_pair_note()
     if note is not None:
         logger.warning("%s", note)
@@ -270,14 +268,6 @@ def specx_ascend_sampler_class() -> type:
     return _sampler_class
 
 
-def specx_mtp_npu_proposer() -> type:
-    """specx_mtp's drafter on NPU: vLLM-Ascend's own MTP proposer (greedy MTP drafts,
-    one-hot q), verified by the specx sampler. The adaptive stop is refused on NPU."""
-    from vllm_ascend.spec_decode.eagle_proposer import AscendEagleProposer
-
-    return AscendEagleProposer
-
-
 class _AscendTarget:
     """Mixin for the patches below: the target is vLLM-Ascend's, so a missing target is
     reported against vLLM-Ascend's version and the commit the patch was read against."""
@@ -293,8 +283,6 @@ class _AscendTarget:
         except AttributeError:
             present = False
         if not present:
-            from vllm_specx.version_gate import installed_version
-
             raise PatchTargetMissing(
                 f"vllm-specx patch {self.name} targets {self.target}, which the installed "  # type: ignore[attr-defined]
                 f"vLLM-Ascend {installed_version('vllm_ascend')} does not have (written "

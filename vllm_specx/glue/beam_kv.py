@@ -38,6 +38,7 @@ import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
+from vllm_specx.config import specx_settings
 from vllm_specx.glue.patch_base import VllmPatch
 
 if TYPE_CHECKING:
@@ -50,11 +51,6 @@ logger = logging.getLogger("vllm.specx")
 
 # Never take more than this share of the KV cache for beam scratch blocks.
 MAX_SCRATCH_SHARE = 8
-
-
-def _specx_settings(vllm_config: Any) -> dict[str, Any] | None:
-    extra = getattr(vllm_config, "additional_config", None)
-    return extra.get("specx") if isinstance(extra, dict) else None
 
 
 def uniform_block_size(kv_cache_config: Any) -> int | None:
@@ -75,7 +71,7 @@ def beam_scratch_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
     A pure function of the engine's configuration and the workers' KV cache config, so
     the scheduler (which hides them) and the workers (which use them) agree on it.
     """
-    settings = _specx_settings(vllm_config)
+    settings = specx_settings(vllm_config)
     if not settings or settings.get("method") != "mtad":
         return 0
     spec = getattr(vllm_config, "speculative_config", None)

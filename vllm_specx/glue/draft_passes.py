@@ -31,6 +31,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_specx.algorithms.draft_stop import DraftStopRule, make_stop_rule
+from vllm_specx.methods import METHODS
 
 
 def load_acceptance_head(
@@ -60,8 +61,11 @@ def round_stop_rule(
 ) -> DraftStopRule:
     """The adaptive stop rule for one round. ``k_max`` is what the runner asks for this step
     (vLLM may ask for fewer than the configured K), so ``min_speculative_tokens`` is
-    clamped to it."""
-    round_settings = dict(settings, num_speculative_tokens=k_max)
+    clamped to it. A setting missing from ``settings`` takes the method's own knob default
+    (``specx_mtp``'s confidence threshold is not ``adaptive``'s)."""
+    spec = METHODS.get(settings.get("method", ""))
+    defaults = {knob.name: knob.default for knob in spec.knobs} if spec is not None else {}
+    round_settings = {**defaults, **settings, "num_speculative_tokens": k_max}
     round_settings["min_speculative_tokens"] = min(
         int(round_settings["min_speculative_tokens"]), k_max
     )

@@ -39,8 +39,9 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
+from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule
-from vllm_specx.glue.adaptive_proposer import AdaptiveDraftStats, _draw
+from vllm_specx.glue.adaptive_proposer import AdaptiveDraftStats
 from vllm_specx.glue.draft_passes import (
     LookaheadPasses,
     SpecxDraftModelProposer,
@@ -151,8 +152,9 @@ class MtpProposer(EagleProposer):
         device = both.device
         width = both.shape[-1] // 2
         pre, post = both[:, :width], both[:, width:]
-        # Every request drafts the MTP argmax (one-hot q); the probabilities _draw returns
-        # (warped for sampled requests) feed the confidence rule only.
+        # Every request drafts the MTP argmax (one-hot q); the probabilities
+        # draw_draft_tokens returns (warped for sampled requests) feed the confidence
+        # rule only.
         greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs, device)
         draw_greedy = torch.ones_like(greedy)
         rule = self.stop_rule(k_max)
@@ -170,7 +172,10 @@ class MtpProposer(EagleProposer):
         depth = 0
         while True:
             logits = self.model.compute_logits(pre)
-            y, probs = _draw(logits, sampling_metadata, live, draw_greedy, {})
+            y, probs = draw_draft_tokens(
+                logits, live, draw_greedy, {}, sampling_metadata.temperature,
+                sampling_metadata.top_k, sampling_metadata.top_p,
+            )
             tokens[live, depth] = y.to("cpu")
             lengths[live] = depth + 1
             if depth + 1 >= k_max:

@@ -15,6 +15,7 @@ from vllm_specx.config import (
     SpecxConfigError,
     refusal_error,
     speculative_config_dict,
+    specx_settings,
     translate,
 )
 from vllm_specx.envflags import env_flag
@@ -23,6 +24,9 @@ from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.methods import METHODS
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
+
+__all__ = ["ALL_PATCHES", "apply_all", "require_mtp_layers", "specx_settings",
+           "vllm_method_names", "vllm_speculative_fields"]
 
 
 def vllm_method_names() -> list[str]:
@@ -59,7 +63,7 @@ def require_mtp_layers(target_model_config: Any, settings: dict[str, Any] | None
     """
     head = (settings or {}).get("acceptance_head")
     if head:
-        from vllm_specx.config import acceptance_head_problem  # reads files: only when set
+        from vllm_specx.acceptance_head_files import acceptance_head_problem
 
         target_hidden = getattr(target_model_config.hf_config, "hidden_size", None)
         problem = acceptance_head_problem(
@@ -85,14 +89,6 @@ def require_mtp_layers(target_model_config: Any, settings: dict[str, Any] | None
         "multi-token-prediction layers (config.json num_nextn_predict_layers >= 1, as in "
         "DeepSeek-V3 or MiMo); for a target without them use 'adaptive' with a draft model."
     )
-
-
-def specx_settings(vllm_config: Any) -> dict[str, Any] | None:
-    """The specx settings carried in a VllmConfig, or None when no specx method is on."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict):
-        return extra.get(SPECX_CONFIG_KEY)
-    return None
 
 
 class SpeculativeConfigTranslation(VllmPatch):
