@@ -16,6 +16,10 @@ if shutil.which("nvidia-smi") is None:
 # Leave OpenMP threads unpinned: the CPU worker's pinning fights other processes on a
 # small shared machine.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# Engines default to bfloat16 on CPUs with native bfloat16 (vllm_specx.engine.default_dtype);
+# the suite keeps float32, the dtype of the transformers references it compares with.
+# tests/engine/test_default_dtype.py runs the default.
+os.environ.setdefault("VLLM_SPECX_CPU_DTYPE", "float32")
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ docs/cpu-reference-backend.md.
 * :mod:`.attention`, :mod:`.mla`, :mod:`.rotary`, :mod:`.sampling`, :mod:`.spec_decode` -- the ops;
 * :mod:`.schemas` -- the drift table: per vLLM release, the ops and their schemas;
   :mod:`.drift` -- the checks that refuse a vLLM the table does not describe;
-* :mod:`.kernel_overrides`, :mod:`.vllm_fixes` -- the patches of vLLM's CPU path (listed
+* :mod:`.kernel_overrides`, :mod:`.vllm_fixes`, :mod:`.linear` -- the patches of vLLM's
+  CPU path (listed
   with every other patch in :mod:`vllm_specx.glue.touchpoints`).
 """
 
@@ -156,7 +157,7 @@ def register_cpu_reference_ops_if_needed() -> bool:
             logger.debug("CPU reference ops not needed: %s", decision.reason)
             return False
 
-        from vllm_specx.cpu_ops import drift, kernel_overrides, vllm_fixes
+        from vllm_specx.cpu_ops import drift, kernel_overrides, linear, vllm_fixes
 
         version = drift.installed_vllm_version()
         table_key = drift.select_release_key(version)
@@ -166,6 +167,7 @@ def register_cpu_reference_ops_if_needed() -> bool:
         _library = _define_ops(release.ops)
         vllm_fixes.apply(release.runtime_fixes)
         kernel_overrides.install(tuple(release.defective_adapters))
+        linear.install(release.linear_patches)
         drift.install_namespace_guard(version, list(release.ops))
         _registered_release = table_key
         logger.info(

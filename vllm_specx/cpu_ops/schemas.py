@@ -34,6 +34,9 @@ class ReleaseTable:
     # Runtime fixes of vLLM's kernel-override machinery to apply for this release
     # (names of :data:`vllm_specx.cpu_ops.vllm_fixes.FIXES`).
     runtime_fixes: tuple[str, ...] = ()
+    # Faster stand-ins for vLLM's CPU GEMM choice to apply for this release (names of
+    # :data:`vllm_specx.cpu_ops.linear.PATCHES`).
+    linear_patches: tuple[str, ...] = ()
 
 
 _OPS_0_32_0: dict[str, str] = {
@@ -172,6 +175,9 @@ _RELEASE_0_32_0 = ReleaseTable(
         "tolerant_kernel_rebind", "register_overrides_once",
         "seeded_partial_prefill", "top_k_only_empty_batch",
     ),
+    # dispatch_cpu_unquantized_gemm and its two callers (linear.py,
+    # vocab_parallel_embedding.py) read identical in the 0.33.0 wheel.
+    linear_patches=("cpu_onednn_packed_linear",),
 )
 
 RELEASES: dict[str, ReleaseTable] = {

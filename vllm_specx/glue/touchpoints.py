@@ -32,6 +32,7 @@ Patches (name -- scope -- what in vLLM changes):
 * cpu_seeded_partial_prefill -- cpu-reference -- ``GPUModelRunner.sample_tokens`` (when vLLM
   imports it)
 * cpu_top_k_only_empty_batch -- cpu-reference -- ``topk_topp_sampler.apply_top_k_only``
+* cpu_onednn_packed_linear -- cpu-reference -- ``layers.utils.dispatch_cpu_unquantized_gemm``
 * cpu_reference_op_library -- cpu-reference -- ``torch.ops._C``: ops defined as a FRAGMENT
 * cpu_ops_namespace_guard -- cpu-reference -- ``type(torch.ops._C)`` swapped for a subclass
 * bench_forward_timers -- bench -- the runner's models: hooks (or a ``forward`` instance
@@ -152,7 +153,7 @@ OTHER_PATCHES: tuple[TouchPoint, ...] = (
 
 def _vllm_patch_registries() -> list[tuple[str, list[VllmPatch]]]:
     """Where each VllmPatch lives, with its objects (imports torch for the CPU ones)."""
-    from vllm_specx.cpu_ops import kernel_overrides, vllm_fixes
+    from vllm_specx.cpu_ops import kernel_overrides, linear, vllm_fixes
     from vllm_specx.glue import ascend, patches
 
     return [
@@ -160,6 +161,7 @@ def _vllm_patch_registries() -> list[tuple[str, list[VllmPatch]]]:
         ("vllm_specx.glue.ascend:ASCEND_PATCHES", list(ascend.ASCEND_PATCHES)),
         ("vllm_specx.cpu_ops.kernel_overrides:PATCHES", list(kernel_overrides.PATCHES.values())),
         ("vllm_specx.cpu_ops.vllm_fixes:FIXES", list(vllm_fixes.FIXES.values())),
+        ("vllm_specx.cpu_ops.linear:PATCHES", list(linear.PATCHES.values())),
     ]
 
 
@@ -333,6 +335,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._C", "_dispatch_has_kernel", "attribute",
                 ("vllm_specx/cpu_ops/__init__.py",),
                 "torch's, not vLLM's: detects a compiled _C op (hasattr is the fallback)"),
+    PrivateName("torch:ops.mkldnn", "_reorder_linear_weight", "attribute",
+                ("vllm_specx/cpu_ops/linear.py",),
+                "torch's, not vLLM's: packs a linear weight for oneDNN once (the patch "
+                "keeps vLLM's linear where it is missing)"),
+    PrivateName("torch:ops.mkldnn", "_linear_pointwise", "attribute",
+                ("vllm_specx/cpu_ops/linear.py",),
+                "torch's, not vLLM's: oneDNN's linear on the prepacked weight"),
     # --- the benchmark ------------------------------------------------------------------------
     PrivateName("vllm.v1.engine.core_client", "InprocClient", "attribute",
                 ("vllm_specx/bench/engine_run.py",),

@@ -1,0 +1,104 @@
+"""The ``cpu_onednn_packed_linear`` patch: oneDNN's prepacked linear against F.linear.
+
+vLLM's own ``dispatch_cpu_unquantized_gemm`` is wrapped (not applied process-wide) and
+called on real layers; no engine starts here (tests/engine/test_default_dtype.py checks
+the engine's layers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_specx.cpu_ops import linear
+
+ROWS = (0, 1, 3, 9, 24)
+
+
+def _weight(dtype: torch.dtype, out_features: int = 96, in_features: int = 64):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype)
+    return w, b
+
+
+@pytest.mark.parametrize("dtype", linear.PACKED_DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear(dtype, with_bias):
+    w, b = _weight(dtype)
+    bias = b if with_bias else None
+    fn = linear.packed_linear(w)
+    assert fn is not None, f"torch {torch.__version__} cannot pack {dtype} for oneDNN here"
+    gen = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+        got, want = fn(x, w, bias), F.linear(x, w, bias)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if dtype == torch.bfloat16:
+            # torch's bfloat16 F.linear is oneDNN's too: bit-identical.
+            assert torch.equal(got, want), rows
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, w.shape[1], generator=gen).to(dtype)  # leading batch dims
+    torch.testing.assert_close(fn(x3, w, bias), F.linear(x3, w, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", linear.PACKED_DTYPES, ids=str)
+def test_a_row_does_not_depend_on_how_many_rows_share_the_call(dtype):
+    # Verification runs K + 1 rows where decoding runs one: the same row must give the
+    # same numbers, or greedy speculation could drift from plain decoding.
+    w, _ = _weight(dtype, 256, 128)
+    fn = linear.packed_linear(w)
+    x = torch.randn(24, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
+    one = fn(x[:1], w, None)
+    for rows in (2, 3, 5, 9, 24):
+        assert torch.equal(fn(x[:rows], w, None)[:1], one), rows
+
+
+def test_other_dtypes_and_shapes_are_not_packed():
+    assert linear.packed_linear(torch.zeros(4, 4, dtype=torch.float64)) is None
+    assert linear.packed_linear(torch.zeros(4, 4, 4, dtype=torch.bfloat16)) is None
+
+
+def _layer(weight: torch.Tensor) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    layer.bias = None
+    return layer
+
+
+def _dispatch():
+    from vllm.model_executor.layers import utils
+
+    original = getattr(utils.dispatch_cpu_unquantized_gemm, "__specx_original__",
+                       utils.dispatch_cpu_unquantized_gemm)
+    return linear.OneDnnPackedLinear().wrap(original)
+
+
+@pytest.mark.parametrize("dtype", linear.PACKED_DTYPES, ids=str)
+@pytest.mark.parametrize("remove_weight", [True, False])
+def test_patched_dispatch_gives_layers_the_packed_linear(dtype, remove_weight):
+    w, _ = _weight(dtype)
+    layer = _layer(w)
+    _dispatch()(layer, remove_weight)
+    assert "packed_linear" in layer.cpu_linear.__qualname__
+    # Like vLLM's own oneDNN path: the weight is dropped only when vLLM asks.
+    assert layer.weight.numel() == (0 if remove_weight else w.numel())
+    x = torch.randn(5, w.shape[1]).to(dtype)
+    torch.testing.assert_close(layer.cpu_linear(x, layer.weight, None), F.linear(x, w),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_dtypes_it_cannot_pack_and_the_switch_keep_vllms_linear(monkeypatch):
+    w, _ = _weight(torch.float64)
+    layer = _layer(w)
+    _dispatch()(layer, True)
+    assert "packed_linear" not in layer.cpu_linear.__qualname__
+    x = torch.randn(3, w.shape[1], dtype=torch.float64)
+    assert torch.equal(layer.cpu_linear(x, layer.weight, None), F.linear(x, w))
+
+    monkeypatch.setenv(linear.PLAIN_LINEAR_ENV, "1")
+    layer = _layer(_weight(torch.bfloat16)[0])
+    _dispatch()(layer, False)
+    assert "packed_linear" not in layer.cpu_linear.__qualname__
