@@ -85,6 +85,20 @@ CrossCheck = Callable[[CheckContext], "Refusal | None"]
 # Returns the proposer class (constructed like vLLM's proposers,
 # ``Class(vllm_config, device, runner)``; the runner hook then sets its ``settings``).
 ProposerFactory = Callable[[], type]
+# Returns a check run when the engine is configured (``EngineArgs.create_speculative_config``),
+# where vLLM's model config is known: ``check(target_model_config, settings)`` raises
+# ``SpecxConfigError`` in one line (e.g. specx_mtp needs a target with MTP layers).
+EngineCheckFactory = Callable[[], Callable[[Any, Mapping[str, Any]], None]]
+
+
+@dataclass(frozen=True)
+class NpuRefusedSetting:
+    """A setting value the method's NPU drafter does not implement (refused at start on
+    Ascend, glue/ascend.py), and why."""
+
+    knob: str
+    value: Any
+    why: str
 
 
 @dataclass(frozen=True)
@@ -119,6 +133,16 @@ class MethodSpec:
     # None: the drafter cannot run on Ascend NPUs yet, and the method is refused at start
     # there (vllm_specx/glue/ascend.py; docs/ascend.md).
     npu_proposer: ProposerFactory | None = None
+    # Settings the NPU drafter does not implement: refused on Ascend in one line.
+    npu_refused_settings: tuple[NpuRefusedSetting, ...] = ()
+    # Checks that need vLLM's model config, run when the engine is configured (named
+    # with :func:`named`: they live in the glue).
+    engine_checks: tuple[EngineCheckFactory, ...] = ()
+    # Beam drafters: the knob holding the beam width B. The drafter keeps B tails of up
+    # to K tokens per request, so B * K is capped by the device's ``max_beam_positions``
+    # (:func:`beam_positions_fit_device`), and the engine reserves KV scratch blocks for
+    # the B - 1 beams beyond a request's own slots (glue/beam_kv.py).
+    beam_width_knob: str | None = None
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
@@ -217,13 +241,17 @@ MTP_ADAPTIVE = Knob(
 
 # -- cross-knob checks ------------------------------------------------------------------
 def beam_positions_fit_device(ctx: CheckContext) -> Refusal | None:
-    """num_beams * K: the beam drafter keeps that many tail tokens per request."""
-    k, beams = ctx.settings["num_speculative_tokens"], ctx.settings["num_beams"]
+    """B * K (B: the spec's ``beam_width_knob``): the beam drafter keeps that many tail
+    tokens per request, capped by the device's ``max_beam_positions``."""
+    width_knob = ctx.spec.beam_width_knob
+    if width_knob is None:
+        return None
+    k, beams = ctx.settings["num_speculative_tokens"], ctx.settings[width_knob]
     if k is None or beams * k <= ctx.limits.max_beam_positions:
         return None
     return Refusal(
-        "num_beams", beams,
-        f"num_beams * num_speculative_tokens = {beams * k} exceeds "
+        width_knob, beams,
+        f"{width_knob} * num_speculative_tokens = {beams * k} exceeds "
         f"{ctx.limits.max_beam_positions} on {ctx.device} "
         f"({ctx.limits.reason_max_beam_positions})",
     )
@@ -289,6 +317,7 @@ METHODS: dict[str, MethodSpec] = {
             rule="mtad",
             proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
             available=True,
+            beam_width_knob="num_beams",
         ),
         MethodSpec(
             name="adaptive",
@@ -327,6 +356,15 @@ METHODS: dict[str, MethodSpec] = {
             # vLLM-Ascend's own MTP proposer (greedy MTP drafts, one-hot q), verified by
             # the specx sampler; the adaptive stop is refused on NPU.
             npu_proposer=named("vllm_ascend.spec_decode.eagle_proposer:AscendEagleProposer"),
+            npu_refused_settings=(
+                NpuRefusedSetting(
+                    "adaptive", True,
+                    "on NPU specx_mtp drafts with vLLM-Ascend's own MTP proposer, which "
+                    "drafts a fixed K; the adaptive stop runs only inside the specx GPU "
+                    "drafter loop",
+                ),
+            ),
+            engine_checks=(named("vllm_specx.glue.patches:require_mtp_layers"),),
         ),
     )
 }

@@ -36,6 +36,7 @@ from typing import Any
 
 from vllm_specx.bench.energy import EnergyMeter
 from vllm_specx.bench.metrics import RequestTrace, StepTiming, subtract_stats
+from vllm_specx.glue.proposer_contract import SpecxProposer
 
 # Prometheus names read for the cross-check (vLLM 0.32.0, vllm/v1/spec_decode/metrics.py).
 SPEC_COUNTERS = (
@@ -104,10 +105,9 @@ def _specx_drafter_stats(worker: Any) -> dict[str, Any] | None:
     inner = getattr(worker, "worker", worker)
     runner = getattr(inner, "model_runner", None)
     drafter = getattr(runner, "drafter", None)
-    fn = getattr(drafter, "specx_stats", None)
-    if not callable(fn):
+    if not isinstance(drafter, SpecxProposer):  # vLLM's own drafter: no counts of its own
         return None
-    stats = fn()
+    stats = drafter.specx_stats()
     return dict(stats) if stats is not None else None
 
 

@@ -57,17 +57,6 @@ logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers a
 
 ASCEND = "ascend"
 
-# Settings a method's NPU drafter does not implement: method -> knob -> (value, why).
-NPU_UNSUPPORTED_SETTINGS: dict[str, dict[str, tuple[Any, str]]] = {
-    "specx_mtp": {
-        "adaptive": (
-            True,
-            "on NPU specx_mtp drafts with vLLM-Ascend's own MTP proposer, which drafts a "
-            "fixed K; the adaptive stop runs only inside the specx GPU drafter loop",
-        ),
-    },
-}
-
 
 def ascend_installed() -> bool:
     """vLLM-Ascend is installed (found without importing it)."""
@@ -96,11 +85,11 @@ def npu_method_refusal(spec: MethodSpec, settings: dict[str, Any]) -> str | None
             "only through its own proposer base (vllm_ascend/spec_decode/llm_base_proposer.py, "
             f"_propose); specx methods that run on NPU: {capable}."
         )
-    for knob, (value, why) in NPU_UNSUPPORTED_SETTINGS.get(spec.name, {}).items():
-        if settings.get(knob) == value:
+    for refused in spec.npu_refused_settings:
+        if settings.get(refused.knob) == refused.value:
             return (
-                f'speculative_config["{knob}"] = {str(value).lower()} is not allowed with '
-                f'method "{spec.name}" on Ascend NPUs: {why}.'
+                f'speculative_config["{refused.knob}"] = {str(refused.value).lower()} is not '
+                f'allowed with method "{spec.name}" on Ascend NPUs: {refused.why}.'
             )
     return None
 

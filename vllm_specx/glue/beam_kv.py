@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_specx.config import specx_settings
 from vllm_specx.glue.patch_base import VllmPatch
+from vllm_specx.methods import METHODS
 
 if TYPE_CHECKING:
     import torch
@@ -66,22 +67,26 @@ def uniform_block_size(kv_cache_config: Any) -> int | None:
 
 
 def beam_scratch_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Blocks reserved for MTAD beam tails (0 when MTAD is off or B = 1 or K = 1).
+    """Blocks reserved for beam tails (0 without a beam drafter, or with B = 1 or K = 1;
+    the method's spec names its beam width knob: ``MethodSpec.beam_width_knob``).
 
     A pure function of the engine's configuration and the workers' KV cache config, so
     the scheduler (which hides them) and the workers (which use them) agree on it.
     """
     settings = specx_settings(vllm_config)
-    if not settings or settings.get("method") != "mtad":
+    method = METHODS.get(settings.get("method", "")) if settings else None
+    if method is None or method.beam_width_knob is None:
         return 0
-    spec = getattr(vllm_config, "speculative_config", None)
-    k = getattr(spec, "num_speculative_tokens", None) or settings.get("num_speculative_tokens")
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    k = (getattr(spec_config, "num_speculative_tokens", None)
+         or settings.get("num_speculative_tokens"))
     block_size = uniform_block_size(kv_cache_config)
     if not k or block_size is None:
         return 0
     from vllm_specx.algorithms.beam_tails import beam_tail_span_blocks
 
-    per_request = (int(settings["num_beams"]) - 1) * beam_tail_span_blocks(int(k), block_size)
+    beams = int(settings[method.beam_width_knob])
+    per_request = (beams - 1) * beam_tail_span_blocks(int(k), block_size)
     max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     want = max_num_seqs * per_request
     # Take at most 1/8 of the cache, or more while the scheduler keeps room for
@@ -115,8 +120,9 @@ class BeamScratchReservation(VllmPatch):
                 kv_cache_config = copy.deepcopy(kv_cache_config)
                 kv_cache_config.num_blocks -= reserve
                 logger.info(
-                    "vllm-specx MTAD: %d of %d KV blocks reserved for beam tails",
-                    reserve, kv_cache_config.num_blocks + reserve,
+                    "vllm-specx %s: %d of %d KV blocks reserved for beam tails",
+                    specx_settings(vllm_config)["method"], reserve,
+                    kv_cache_config.num_blocks + reserve,
                 )
             original(self_, vllm_config, kv_cache_config, *args, **kw)
 

@@ -1,6 +1,8 @@
 """Draft forward passes the specx drafters share (vLLM glue, checked on vLLM 0.32 V1).
 
-Every specx drafter built on vLLM's ``DraftModelProposer`` drafts a round the same way:
+Every specx drafter (:class:`SpecxPasses` mixed into a vLLM V1 proposer:
+``DraftModelProposer`` for a draft model, ``EagleProposer`` for MTP layers) drafts a round
+the same way:
 
 1. the **first pass**: exactly the base class's, one pass over the target's verified
    tokens plus the token the target just emitted, for the whole batch; it keeps the draft
@@ -10,9 +12,10 @@ Every specx drafter built on vLLM's ``DraftModelProposer`` drafts a round the sa
    just emitted). These are the slots vLLM's own chain drafter writes, so prefix caching,
    chunked prefill and preemption see the same KV bookkeeping as ``draft_model``.
 
-MTAD feeds beam tails (several tokens per request, one beam per pass); the adaptive
-drafter feeds one token per request over the requests still drafting (the batch shrinks
-as requests stop). Both are a :class:`LookaheadPasses` call with different rows.
+MTAD feeds beam tails (several tokens per request, one beam per pass); the chain
+drafters (``glue/chain_drafter.py``) feed one token per request over the requests still
+drafting (the batch shrinks as requests stop). Both are a :class:`LookaheadPasses` call
+with different rows.
 
 vLLM private names relied on here: ``DraftModelProposer.set_inputs_first_pass``,
 ``build_model_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
@@ -22,12 +25,14 @@ vLLM private names relied on here: ``DraftModelProposer.set_inputs_first_pass``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_specx.algorithms.draft_stop import DraftStopRule, make_stop_rule
@@ -72,15 +77,62 @@ def round_stop_rule(
     return make_stop_rule(round_settings, head)
 
 
-class SpecxDraftModelProposer(DraftModelProposer):
-    """vLLM's ``DraftModelProposer`` with its first pass and its forward call exposed as
-    separate steps, so a specx drafter can run the first pass and then its own passes.
+@dataclass(frozen=True)
+class RoundStart:
+    """What a round's first pass leaves every specx drafter."""
+
+    k: int  # K for this round (vLLM may ask for fewer than the configured K)
+    num_reqs: int
+    out: torch.Tensor  # the draft's output at each request's new token, [R, ...]
+    sample_positions: torch.Tensor  # P: the position of each request's new token, [R]
+    cad: CommonAttentionMetadata  # the first pass's attention metadata
+    first_tokens: int  # tokens the first pass fed
+    # P + 1 per request once the round starts: the first pass's seq_lens minus the
+    # rejected drafts still counted there (padded drafter batch).
+    base_seq_lens: torch.Tensor
+
+    def no_drafts(self) -> torch.Tensor:
+        """The ``[R, 0]`` drafts of a round with K = 0 (vLLM's proposers return that)."""
+        return torch.empty(self.num_reqs, 0, device=self.out.device, dtype=torch.int64)
+
+
+class SpecxPasses(SpecDecodeBaseProposer):
+    """The passes every specx drafter runs, over any vLLM V1 proposer: vLLM's first pass
+    and its forward call as separate steps, so a drafter can run the first pass and then
+    its own passes. Mix it in before the vLLM proposer class
+    (``class P(SpecxPasses, DraftModelProposer)``); it uses only what vLLM's proposer base
+    (``SpecDecodeBaseProposer``) has.
 
     ``settings`` are the validated specx settings of the method (the runner hook sets
     them right after construction; see ``glue/runner_hook.py``).
     """
 
     settings: dict[str, Any]
+
+    def _start_round(
+        self,
+        num_speculative_tokens: int,
+        *,
+        common_attn_metadata: CommonAttentionMetadata,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+        **first_pass: Any,
+    ) -> RoundStart:
+        """The prologue of every specx ``propose``: record K, clear the last round's
+        draft probabilities, run the first pass. ``first_pass``: the rest of vLLM's
+        ``propose`` arguments that :meth:`_first_pass` takes."""
+        k = int(num_speculative_tokens)
+        self.num_speculative_tokens = k
+        self._last_draft_probs = None
+        num_reqs = common_attn_metadata.batch_size()
+        out, sample_positions, cad, first_tokens = self._first_pass(
+            common_attn_metadata=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            **first_pass,
+        )
+        base_seq_lens = cad.seq_lens
+        if num_rejected_tokens_gpu is not None:
+            base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
+        return RoundStart(k, num_reqs, out, sample_positions, cad, first_tokens, base_seq_lens)
 
     def _draft_forward(
         self,
@@ -120,7 +172,7 @@ class SpecxDraftModelProposer(DraftModelProposer):
         """Run the draft over the verified tokens + the new token of every request (the
         base class's ``propose`` fuses this with chain drafting, so it is spelled out).
 
-        Returns (final hidden state at each request's new token [R, H], its position P
+        Returns (the draft's output at each request's new token [R, ...], its position P
         [R], the extended attention metadata, tokens fed).
         """
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
@@ -150,6 +202,11 @@ class SpecxDraftModelProposer(DraftModelProposer):
         return hidden_states[token_indices_to_sample], sample_positions, cad, int(num_tokens)
 
 
+class SpecxDraftModelProposer(SpecxPasses, DraftModelProposer):
+    """vLLM's ``DraftModelProposer`` with the specx passes: the base of the draft-model
+    drafters (``adaptive``, ``mtad``)."""
+
+
 class LookaheadPasses:
     """Draft passes over the lookahead slots of chosen requests, for one round.
 
@@ -160,7 +217,7 @@ class LookaheadPasses:
 
     def __init__(
         self,
-        proposer: SpecxDraftModelProposer,
+        proposer: SpecxPasses,
         cad: CommonAttentionMetadata,
         sample_positions: torch.Tensor,
         base_seq_lens: torch.Tensor,

@@ -85,6 +85,7 @@ from vllm_specx.algorithms.beam_tails import (
 )
 from vllm_specx.glue.beam_kv import BeamKVSlots
 from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import GREEDY_DRAFTING
 
 logger = logging.getLogger("vllm.specx")
@@ -201,22 +202,15 @@ class MTADProposer(SpecxDraftModelProposer):
         self.settings = {**self.settings, "num_beams": int(value)}
 
     def _refuse_unsupported(self, vllm_config: Any) -> None:
-        reasons = []
-        if self.parallel_drafting:
-            reasons.append("parallel drafting drafts all positions in one pass, not a beam")
+        # A draft with another tokenizer is supported here (drafts stay in the shared
+        # vocabulary); decode context parallelism shards each request's KV over ranks,
+        # which the beams' own KV slots do not follow.
         parallel = vllm_config.parallel_config
-        if parallel.data_parallel_size > 1:
-            reasons.append(
-                "data parallelism: ranks would have to agree on every beam pass's batch shape"
-            )
-        if getattr(parallel, "decode_context_parallel_size", 1) > 1:
-            reasons.append("decode context parallelism (KV shards per rank)")
-        if self.uses_mrope:
-            reasons.append("M-RoPE draft models")
-        if reasons:
-            raise NotImplementedError(
-                "vllm-specx MTAD drafting does not support: " + "; ".join(reasons)
-            )
+        refuse_unsupported_options(
+            self, vllm_config, "MTAD drafting",
+            ["decode context parallelism (KV shards per rank)"]
+            if getattr(parallel, "decode_context_parallel_size", 1) > 1 else [],
+        )
 
     # ----------------------------------------------------------------------------------
     # propose
@@ -236,12 +230,8 @@ class MTADProposer(SpecxDraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        k = int(num_speculative_tokens)
-        self.num_speculative_tokens = k
-        self._last_draft_probs = None
-        num_reqs = common_attn_metadata.batch_size()
-
-        first_hidden, sample_positions, cad, first_tokens = self._first_pass(
+        start = self._start_round(
+            num_speculative_tokens,
             target_token_ids=target_token_ids,
             target_positions=target_positions,
             target_hidden_states=target_hidden_states,
@@ -251,11 +241,13 @@ class MTADProposer(SpecxDraftModelProposer):
             mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
-        logits = self.model.compute_logits(first_hidden)
+        k, num_reqs = start.k, start.num_reqs
+        cad, sample_positions = start.cad, start.sample_positions
+        base_seq_lens = start.base_seq_lens
+        logits = self.model.compute_logits(start.out)
         self.last_sample_positions = sample_positions
         if k == 0:
-            # Same contract as the base class: the pass above keeps the draft KV in sync.
-            return torch.empty(num_reqs, 0, device=logits.device, dtype=torch.int64)
+            return start.no_drafts()
 
         greedy = greedy_mask_from_temperature(
             sampling_metadata.temperature, num_reqs, device=logits.device
@@ -275,12 +267,6 @@ class MTADProposer(SpecxDraftModelProposer):
                 return warp_logprobs(lg)
             return warp_logprobs(lg, md.temperature, md.top_k, md.top_p)
 
-        # The request's sequence length once its first j lookahead positions are filled:
-        # the first pass's seq_lens, minus the rejected drafts still counted there
-        # (padded drafter batch), is P + 1.
-        base_seq_lens = cad.seq_lens
-        if num_rejected_tokens_gpu is not None:
-            base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
         b = self.num_beams
         slots = self._beam_slots() if self.batched_beams else None
         # Requests whose beams fit the scratch region at once (B = 1 needs none).
@@ -311,7 +297,7 @@ class MTADProposer(SpecxDraftModelProposer):
             draft_tokens = mapping.map_draft_to_target_ids(draft_tokens)
         self._last_draft_probs = q.to(torch.float32).contiguous()
         self.stats.record(
-            num_reqs, k, b, first_tokens, forward.tokens, forward.passes,
+            num_reqs, k, b, start.first_tokens, forward.tokens, forward.passes,
             request_passes=num_reqs + forward.request_passes,
             sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
         )

@@ -14,6 +14,7 @@ from vllm_specx.config import (
     SPECX_CONFIG_KEY,
     SpecxConfigError,
     refusal_error,
+    resolve_method,
     speculative_config_dict,
     specx_settings,
     translate,
@@ -119,6 +120,11 @@ class SpeculativeConfigTranslation(VllmPatch):
                     merged[key] = value
             if self_.speculative_config is None and all(v is None for *_, v in flags):
                 return original(self_, target_model_config, target_parallel_config)
+            if resolve_method({k.replace("-", "_"): v for k, v in merged.items()},
+                              vllm_method_names()) is None:
+                # vLLM's own method, before anything platform-specific: specx has no
+                # backend for every platform vLLM runs its own methods on (XPU, TPU, ...).
+                return original(self_, target_model_config, target_parallel_config)
 
             from vllm.platforms import current_platform
 
@@ -145,8 +151,8 @@ class SpeculativeConfigTranslation(VllmPatch):
                     "on vLLM's V1 model runner only: unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
             method = result.specx_settings["method"]
-            if method == "specx_mtp":
-                require_mtp_layers(target_model_config, result.specx_settings)
+            for engine_check in METHODS[method].engine_checks:
+                engine_check()(target_model_config, result.specx_settings)
             if METHODS[method].ragged_drafts:
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from vllm_specx.config import SpecxConfigError
+from vllm_specx.glue.proposer_contract import SpecxProposer
 from vllm_specx.methods import METHODS
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
@@ -40,6 +41,12 @@ def install_specx_components(runner: Any, settings: dict[str, Any]) -> None:
     backend = select_backend()
     drafter = spec.proposer()(runner.vllm_config, runner.device, runner)
     drafter.settings = dict(settings)
+    if not isinstance(drafter, SpecxProposer):
+        raise TypeError(
+            f"vllm-specx: {method}'s proposer {type(drafter).__name__} does not offer the "
+            "specx proposer contract (glue/proposer_contract.py: settings, propose, "
+            "take_last_draft_probs, specx_stats)"
+        )
     runner.drafter = drafter
     runner.rejection_sampler = SpecxRejectionSampler(
         runner.sampler, runner.speculative_config, runner.device, settings, backend

@@ -1,0 +1,251 @@
+"""One chain-draft round with a per-request stop and a shrinking batch, for every chain
+drafter (vLLM glue, checked on vLLM 0.32 V1).
+
+:class:`ChainDrafter` is the round the ``adaptive`` drafter (a draft model,
+``glue/adaptive_proposer.py``) and the ``specx_mtp`` drafter (the target's MTP layer,
+``glue/mtp_proposer.py``) share; each is this round plus the few hooks where they differ,
+the way vLLM's ``draft_model.py`` and ``eagle.py`` are a few overrides over one base:
+
+* the round's **first pass** (``SpecxPasses._start_round``) gives ``q_1``; every request
+  draws ``Y_1``;
+* at depth ``j`` (0..K_max-2) each live request holds ``Y_1..Y_{j+1}`` (the last one just
+  drawn) and the stop rule (``algorithms/draft_stop.py``) says whether it goes on. Those
+  that go on feed ``Y_{j+1}`` to the draft in one pass over the requests STILL DRAFTING
+  only (:class:`~.draft_passes.LookaheadPasses`; no forward work for a request that
+  stopped), which gives the hidden state the acceptance head reads and ``q_{j+2}``, from
+  which ``Y_{j+2}`` is drawn.
+
+A stop keeps the token already drawn: it cost its draft forward already and may be
+accepted, so a request that drafts ``n`` tokens costs exactly ``n`` draft forwards (the
+first pass and ``n - 1`` lookahead passes), like a fixed-length draft of ``n``.
+
+``propose`` returns ``list[list[int]]`` (one list per request, of the length it drafted),
+the ragged form vLLM's ngram proposer returns, so the scheduler receives exactly the
+drafted tokens and verification costs exactly the drafted positions (EMS-SD: nothing is
+padded to the longest draft; the method's spec turns async scheduling off).
+
+Hooks (override in a drafter; the defaults are the draft-model drafter's):
+
+* :meth:`ChainDrafter.read_pass` -- which part of a pass's output the LM head reads and
+  which the acceptance head reads;
+* :meth:`ChainDrafter.drafts_argmax` -- every request drafts the argmax (one-hot ``q``:
+  no draft probabilities are kept for the sampler), or sampled requests draw from ``q``;
+* :meth:`ChainDrafter.feed_hidden` with :attr:`ChainDrafter.feeds_hidden` -- what, besides
+  the token, the next pass reads (MTP: each live request's hidden state of the step
+  before);
+* :meth:`ChainDrafter.stop_rule` -- the round's stop rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
+
+from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
+from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
+from vllm_specx.algorithms.draft_stop import DraftStopRule
+from vllm_specx.glue.draft_passes import (
+    LookaheadPasses,
+    SpecxPasses,
+    load_acceptance_head,
+    round_stop_rule,
+)
+
+
+@dataclass
+class ChainDraftStats:
+    """What a chain drafter did, for ``vllm-specx bench`` (``specx_stats()``).
+
+    ``draft_tokens``: tokens drafted (what the scheduler receives). ``lookahead_rows``:
+    request-rows fed to the lookahead passes (with a padded batch it would be
+    ``requests * (K_max - 1)``). ``length_histogram[n]``: requests that drafted n tokens.
+    """
+
+    rounds: int = 0
+    requests: int = 0
+    draft_tokens: int = 0
+    first_pass_tokens: int = 0
+    lookahead_passes: int = 0
+    lookahead_rows: int = 0
+    padded_lookahead_rows: int = 0
+    length_histogram: dict[int, int] = field(default_factory=dict)
+
+    def record(self, lengths: list[int], k_max: int, first: int, passes: int, rows: int) -> None:
+        self.rounds += 1
+        self.requests += len(lengths)
+        self.draft_tokens += sum(lengths)
+        self.first_pass_tokens += first
+        self.lookahead_passes += passes
+        self.lookahead_rows += rows
+        self.padded_lookahead_rows += len(lengths) * max(k_max - 1, 0)
+        for n in lengths:
+            self.length_histogram[n] = self.length_histogram.get(n, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        # Keys read by the bench (``DrafterStats``): the scheduler receives exactly the
+        # drafted tokens, and draft forwards are counted per request (first pass +
+        # one lookahead row per step the request was still drafting).
+        return {
+            "drafted_tokens": self.draft_tokens,
+            "scheduled_tokens": self.draft_tokens,
+            "draft_forward_passes": self.requests + self.lookahead_rows,
+            "rounds": self.rounds,
+            "requests": self.requests,
+            "batched_forward_passes": self.rounds + self.lookahead_passes,
+            "first_pass_tokens": self.first_pass_tokens,
+            "lookahead_rows": self.lookahead_rows,
+            "padded_lookahead_rows": self.padded_lookahead_rows,
+            "length_histogram": {str(k): v for k, v in sorted(self.length_histogram.items())},
+        }
+
+
+class ChainDrafter(SpecxPasses):
+    """The chain-draft round (see the module doc). A drafter mixes it in before its vLLM
+    proposer class and overrides the hooks where it differs."""
+
+    settings: dict[str, Any]
+    # True: the next pass also reads each live request's hidden state of the step before
+    # (handed over by :meth:`feed_hidden`).
+    feeds_hidden: bool = False
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config, device, runner)
+        self.stats = ChainDraftStats()
+        self.head: torch.nn.Module | None = None
+
+    # -- set-up -----------------------------------------------------------------------
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        dtype = next(self.model.parameters()).dtype
+        self.head = load_acceptance_head(self.settings, self.device, dtype)
+
+    def specx_stats(self) -> dict[str, Any]:
+        return self.stats.as_dict()
+
+    # -- hooks ------------------------------------------------------------------------
+
+    def stop_rule(self, k_max: int) -> DraftStopRule:
+        """The round's rule (``k_max``: what the runner asks for this step)."""
+        return round_stop_rule(self.settings, k_max, self.head)
+
+    def read_pass(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the LM head reads, what the acceptance head reads) of a pass's output
+        rows. A draft model's final hidden state (after its final norm) is both."""
+        return out, out
+
+    def drafts_argmax(self) -> bool:
+        """True: every request drafts the argmax (one-hot ``q``, nothing kept for the
+        sampler); False: sampled requests draw from the warped ``q`` and keep it."""
+        return self.settings.get("draft_sampling") == "greedy"
+
+    def feed_hidden(self, hidden: torch.Tensor) -> None:
+        """Put the live requests' hidden states of the step before (``[n, H]``, in the
+        order of the next pass's rows) where the next pass reads them. Called only when
+        :attr:`feeds_hidden` is True."""
+        raise NotImplementedError(f"{type(self).__name__} sets feeds_hidden but has no feed_hidden")
+
+    # -- the round ----------------------------------------------------------------------
+
+    def propose(  # type: ignore[override]
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> list[list[int]] | torch.Tensor:
+        start = self._start_round(
+            num_speculative_tokens,
+            target_token_ids=target_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            next_token_ids=next_token_ids,
+            token_indices_to_sample=token_indices_to_sample,
+            common_attn_metadata=common_attn_metadata,
+            mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        k_max, num_reqs = start.k, start.num_reqs
+        if k_max == 0:
+            # Same contract as vLLM's proposers: the pass above keeps the draft KV in sync.
+            return start.no_drafts()
+
+        device = start.out.device
+        lm_in, head_in = self.read_pass(start.out)
+        greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs, device)
+        argmax_only = self.drafts_argmax()
+        # Sampled requests need their full q for the residual; greedy ones never read it.
+        keep_q = not argmax_only and not bool(greedy.all())
+        draw_greedy = torch.ones_like(greedy) if argmax_only else greedy
+        generators = sampling_metadata.generators or {}
+
+        rule = self.stop_rule(k_max)
+        state = rule.start(num_reqs, device)
+        tokens = torch.zeros(num_reqs, k_max, dtype=torch.int64)  # host: tails are fed from it
+        lengths = torch.zeros(num_reqs, dtype=torch.int64)
+        q_full = None
+        # [R, H]: each request's latest hidden state, for drafters whose next pass reads it.
+        hidden_by_req = head_in.clone() if self.feeds_hidden else None
+        live = torch.arange(num_reqs)  # host indices of the requests still drafting
+
+        passes = LookaheadPasses(self, start.cad, start.sample_positions, start.base_seq_lens)
+        n_passes = n_rows = 0
+        depth = 0
+        while True:
+            # Y_{depth+1} is drawn from q_{depth+1} (the first pass's logits at depth 0,
+            # else those after feeding Y_depth) and joins the draft of every live request.
+            logits = self.model.compute_logits(lm_in)
+            y, probs = draw_draft_tokens(
+                logits, live, draw_greedy, generators, sampling_metadata.temperature,
+                sampling_metadata.top_k, sampling_metadata.top_p,
+            )
+            if q_full is None and keep_q:
+                q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
+                                     device=device)
+            tokens[live, depth] = y.to("cpu")
+            lengths[live] = depth + 1
+            if q_full is not None:
+                q_full[live.to(device), depth] = probs
+            if depth + 1 >= k_max:
+                break
+            # Go on (feed Y_{depth+1}) or stop with depth + 1 tokens, per request.
+            dev_live = live.to(device)
+            y_prob = probs.gather(1, y.view(-1, 1)).squeeze(1)
+            new_state, keep = rule.step(
+                state[dev_live], depth, next_token_probs=y_prob, next_probs=probs,
+                hidden=head_in if rule.needs_hidden else None,
+            )
+            state[dev_live] = new_state.to(state.dtype)
+            live = live[keep.to("cpu")]
+            if live.numel() == 0:
+                break
+            depth += 1
+            # Feed Y_depth to the requests still drafting (their KV for Y_1..Y_{depth-1}
+            # was written by the earlier passes of this round): the batch shrinks.
+            dev_live = live.to(device)
+            if hidden_by_req is not None:
+                self.feed_hidden(hidden_by_req[dev_live])
+            first_fed = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
+            lm_in, head_in = self.read_pass(passes.run(live, tokens[live, :depth], first_fed))
+            if hidden_by_req is not None:
+                hidden_by_req[dev_live] = head_in
+            n_passes += 1
+            n_rows += live.numel()
+
+        self.stats.record(lengths.tolist(), k_max, start.first_tokens, n_passes, n_rows)
+        if q_full is not None:
+            # The runner slices [row, :num_draft] per request: rows past a request's
+            # length are never read.
+            self._last_draft_probs = q_full
+        return [tokens[r, : int(lengths[r])].tolist() for r in range(num_reqs)]
