@@ -124,6 +124,20 @@ def test_vllm_methods_give_identical_configs_with_and_without_the_plugin(model_d
     assert with_plugin == without_plugin
 
 
+def test_vllm_methods_need_no_specx_backend(model_dir, monkeypatch):
+    """vLLM's own methods also run on platforms vllm-specx has no backend for (XPU, TPU):
+    the config seam hands them to vLLM before choosing a backend."""
+    from vllm_specx import backends
+
+    monkeypatch.setattr(backends, "BACKEND_MODULES", {})  # no backend for any device
+    cfg = engine_config(model_dir, {"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_max": 3})
+    assert cfg.speculative_config.method == "ngram"
+    with pytest.raises(ValueError, match="has no backend for device type"):
+        engine_config(model_dir, {"method": "mtad", "model": model_dir,
+                                  "num_speculative_tokens": 3})
+
+
 def test_specx_method_builds_vllm_config_and_carries_settings(model_dir, monkeypatch):
     # Exercise the seam for every specx method, whether or not its drafter has shipped.
     for name, spec in METHODS.items():
