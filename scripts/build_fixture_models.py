@@ -21,10 +21,10 @@ Pipeline (each step is a ``--stage``; later stages read what earlier ones left b
 ``distill``
     ``vllm-specx distill --stop-after data`` (the command users run) up to its data stage:
     pretrain a 2-layer, hidden-128 Llama draft (size ``small``) on the train files (linked
-    into the work dir as its ``--corpus``), then self-distillation data as in seed 004, in
-    miniature: the target answers snippets of TRAIN files (stdlib references in the work dir,
-    chosen like the head's) in vLLM at temperatures 0, 0.3, 0.7 and 1.0 (pure temperature
-    sampling, no top-k/top-p).
+    into the work dir as its ``--corpus``), then self-distillation data as in Yi et al.'s
+    specialized-drafter recipe, in miniature: the target answers snippets of TRAIN files
+    (stdlib references in the work dir, chosen like the head's) in vLLM at temperatures 0,
+    0.3, 0.7 and 1.0 (pure temperature sampling, no top-k/top-p).
 ``draft``
     The rest of the same ``vllm-specx distill`` command (its finished stages are skipped):
     finetune the pretrained draft on the target's answers (loss on the generated tokens
@@ -678,8 +678,8 @@ def run_specx(argv: list[str], label: str) -> None:
 
 def stage_distill(cfg: BuildConfig, paths: Paths) -> None:
     """``vllm-specx distill --stop-after data``: the draft's pretraining on the train files,
-    then the self-distillation data of seed 004 (the target answers train-file snippets in
-    vLLM at temperatures 0, 0.3, 0.7 and 1.0)."""
+    then the self-distillation data of Yi et al.'s recipe (the target answers train-file
+    snippets in vLLM at temperatures 0, 0.3, 0.7 and 1.0)."""
     t0 = time.time()
     refs = distill_prompt_refs(cfg)
     paths.work.mkdir(parents=True, exist_ok=True)

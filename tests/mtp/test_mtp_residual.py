@@ -4,7 +4,7 @@ An MTP layer drafts its argmax, so ``q`` is one-hot at the draft ``x``. Standard
 verification then accepts ``x`` with probability ``p(x)`` and, at a rejection, must sample
 from ``p`` with ``x`` removed (renormalised): the emitted token is then distributed as
 ``p(x) [y = x] + (1 - p(x)) p(y) / (1 - p(x)) = p(y)``. vLLM-Ascend's MTP developer guide
-(seed 001) writes the residual as ``max(P_target - 1, 0)``, which is the all-zero vector:
+writes the residual as ``max(P_target - 1, 0)``, which is the all-zero vector:
 whatever a sampler makes of it (the exponential race picks index 0; a sampler that falls
 back to ``p`` on an empty residual emits ``x`` too often), the output is not ``p``.
 

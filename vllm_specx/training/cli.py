@@ -164,7 +164,9 @@ def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = DistillOptions()
     p = subparsers.add_parser(
         "distill",
-        help="train a draft model for a target by self-distillation (seed 004)",
+        help="train a draft model for a target by self-distillation (the specialized-drafter "
+        "recipe of Yi et al., 'Towards Fast Multilingual LLM Inference: Speculative Decoding "
+        "and Specialized Drafters')",
         description=(
             "Train a small draft model for TARGET: the target answers the prompts in vLLM at "
             "several temperatures (self-distillation data), the drafter is optionally "
@@ -214,7 +216,7 @@ def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, action="append", default=None,
                    help="target sampling temperature of the distillation data, 0 = greedy; "
                    "repeatable, every prompt is answered at each (default: 0, 0.3, 0.7, 1.0 "
-                   "as seed 004)")
+                   "as in Yi et al.'s specialized-drafter recipe)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="tokens generated per answer (default: %(default)s)")
     p.add_argument("--chat-template", action="store_true",
