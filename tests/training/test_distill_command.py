@@ -209,3 +209,56 @@ def test_draft_sizes_split_and_block_efficiency():
     assert block_efficiency([True, True, False, True, False], 2) == 2.5
     assert block_efficiency([False] * 4, 4) == 1.0
     assert block_efficiency([True] * 9, 8) == 9.0
+
+
+def test_the_resume_driver_runs_what_changed_and_skips_what_is_done(tmp_path):
+    # The stages as plain functions of a run (no model, no engine): the driver alone.
+    from vllm_specx.training.distill import (
+        STAGES,
+        DistillJob,
+        DistillOptions,
+        DistillRun,
+        resume_stages,
+    )
+
+    job = DistillJob(target=tmp_path / "target", prompts=tmp_path / "p.jsonl",
+                     out_dir=tmp_path / "out")
+    job.work.mkdir(parents=True)
+    finetune = {"lr": 1e-3}
+    inputs = {"pretrain": {"steps": 0}, "data": {"train_prompts_answered": True},
+              "finetune": finetune, "report": {"finetune": finetune}}
+    markers = {s: job.work / f"{s}.done.json" for s in STAGES[:3]}
+    markers["report"] = job.out_dir / "REPORT.json"
+    logs: list[str] = []
+    run = DistillRun(job, DistillOptions(), inputs, markers, tokenizer=None, bos_id=0,
+                     eos_id=0, pad_id=0, progress=False, log=logs.append)
+    ran: list[str] = []
+
+    def stage_runner(stage):
+        def run_stage(r):
+            ran.append(stage)
+            if stage == "finetune":  # the drafter's output directory, as the real stage
+                r.out.mkdir(exist_ok=True)
+                (r.out / "config.json").write_text("{}")
+            return {"stage": stage, "steps": 1, "responses": 2}
+        return run_stage
+
+    runners = {s: stage_runner(s) for s in STAGES}
+    # First run: every stage but pretrain (no corpus: 0 steps) runs once.
+    assert resume_stages(run, runners=runners)["stage"] == "report"
+    assert ran == ["data", "finetune", "report"]
+    # Again: nothing runs, each finished stage says so.
+    ran.clear()
+    assert resume_stages(run, runners=runners)["stage"] == "report"
+    assert ran == [] and "distill: stage data done before (2 responses), skipped" in logs
+    # A changed fine-tuning input runs fine-tuning and the report again, not the data.
+    finetune["lr"] = 2e-3
+    assert resume_stages(run, runners=runners)["stage"] == "report"
+    assert ran == ["finetune", "report"]
+    # A removed output directory runs fine-tuning again; stop_after stops there.
+    ran.clear()
+    (job.out_dir / "config.json").unlink()
+    assert resume_stages(run, stop_after="finetune", runners=runners)["stage"] == "finetune"
+    assert ran == ["finetune"]
+    # stop_after a stage the run skips (pretrain without a corpus): an empty record.
+    assert resume_stages(run, stop_after="pretrain", runners=runners) == {}

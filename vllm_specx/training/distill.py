@@ -1,6 +1,7 @@
 """Train a draft model for a target by self-distillation: ``vllm-specx distill``.
 
-Recipe (seed 004, "specialized drafters"): the drafter that decides the speed-up is the one
+Recipe (Yi et al., "Towards Fast Multilingual LLM Inference: Speculative Decoding and
+Specialized Drafters"): the drafter that decides the speed-up is the one
 trained on what the target itself says. Stages, in the order they run, each resumable (a
 stage whose completion marker in the work directory records the same inputs is skipped, so
 an interrupted run continues where it stopped):
@@ -14,8 +15,9 @@ an interrupted run continues where it stopped):
     0, 0.3, 0.7, 1.0; :func:`~vllm_specx.training.data.generate_responses`, shared with
     ``train-head``). A seeded fraction of the PROMPTS is held out (all of its responses), for
     the report only. With ``finetune_steps == 0`` (a raw-text-only drafter, the baseline of
-    seed 004's comparison) only the held-out prompts are answered (or a distilled run's data
-    is reused: its held-out answers are the same requests, which come first).
+    the paper's comparison of distilled and raw-text drafters) only the held-out prompts
+    are answered (or a distilled run's data is reused: its held-out answers are the same
+    requests, which come first).
 ``finetune``
     Training on the target's continuations of the training prompts (loss on the generated
     tokens only, prompt tokens are context), then the drafter is written to the output
@@ -29,6 +31,10 @@ an interrupted run continues where it stopped):
     target forward) for K = 1, 2, 4, 8 along the target's greedy continuations; the expected
     acceptance rate of standard speculative sampling at temperature 1 (``sum_x min(p, q)``);
     the draft's perplexity on the target's text; plus sizes, times, options and versions.
+
+Each stage is a function of a :class:`DistillRun` (:func:`run_pretrain`, :func:`run_data`,
+:func:`run_finetune`, :func:`run_report`); :func:`resume_stages` is the one place that
+decides which run and which are skipped.
 
 Both training stages run through :func:`vllm_specx.training.loop.train_loop` (shared with
 ``train-head``). Deterministic for a seed on one machine and thread count.
@@ -496,7 +502,7 @@ def heldout_metrics(target: nn.Module, draft: nn.Module, responses: list[Respons
     module doc, stage ``report``)."""
     from tqdm.auto import tqdm
 
-    from vllm_specx.training.head import _pad
+    from vllm_specx.training.head import pad_sequences
 
     greedy_matches: list[list[bool]] = []
     agree = positions = 0
@@ -506,7 +512,7 @@ def heldout_metrics(target: nn.Module, draft: nn.Module, responses: list[Respons
     bar = tqdm(total=len(usable), desc="report", disable=not progress, unit="resp")
     for start in range(0, len(usable), batch_size):
         chunk = usable[start:start + batch_size]
-        ids, mask = _pad([r.prompt_ids + r.response_ids for r in chunk], pad_id)
+        ids, mask = pad_sequences([r.prompt_ids + r.response_ids for r in chunk], pad_id)
         p_logits = target(input_ids=ids, attention_mask=mask).logits.float()
         q_logits = draft(input_ids=ids, attention_mask=mask).logits.float()
         for b, r in enumerate(chunk):
@@ -638,168 +644,203 @@ def _stage_done(marker: Path, inputs: dict[str, Any] | None = None,
     return info
 
 
-def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
-            progress: bool = True, log: Callable[[str], None] = _log,
-            stop_after: str | None = None) -> dict[str, Any]:
-    """Run (or resume) the pipeline of the module doc; returns the REPORT.json content (or,
-    with ``stop_after``, the record of that stage)."""
-    from vllm_specx.training.data import generate_responses, model_summary, read_prompt_file
+@dataclass
+class DistillRun:
+    """One ``distill`` run in progress: what every stage reads (the job, the options, the
+    work and output directories, the target's tokenizer ids) and the completion markers.
+    Built by :meth:`start`; each stage function takes it and returns its record."""
 
-    options.check()
-    t_start = time.time()
-    torch.set_num_threads(options.threads)  # before the engine: vLLM pins it afterwards
-    work, out = job.work, Path(job.out_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    inputs = stage_inputs(job, options)
-    markers = {s: work / f"{s}.done.json" for s in STAGES[:3]}
-    markers["report"] = out / "REPORT.json"
+    job: DistillJob
+    options: DistillOptions
+    inputs: dict[str, dict[str, Any]]  # per stage, what its output depends on
+    markers: dict[str, Path]  # per stage, its completion marker
+    tokenizer: Any
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    progress: bool = True
+    log: Callable[[str], None] = _log
+    t_start: float = dataclasses.field(default_factory=time.time)
+    _data: dict[str, list[Response]] | None = None
 
-    def done(stage: str) -> dict[str, Any] | None:
-        if stage == "data" and not inputs["data"]["train_prompts_answered"]:
+    @classmethod
+    def start(cls, job: DistillJob, options: DistillOptions, *, progress: bool = True,
+              log: Callable[[str], None] = _log) -> DistillRun:
+        t_start = time.time()
+        torch.set_num_threads(options.threads)  # before the engine: vLLM pins it afterwards
+        work, out = job.work, Path(job.out_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        markers = {s: work / f"{s}.done.json" for s in STAGES[:3]}
+        markers["report"] = out / "REPORT.json"
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        tok = AutoTokenizer.from_pretrained(str(job.target))
+        tcfg = _read_config(job.target)
+        eos_id = tcfg.get("eos_token_id")
+        eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+        bos_id = tcfg.get("bos_token_id")
+        bos_id = bos_id if bos_id is not None else (tok.bos_token_id if tok.bos_token_id
+                                                      is not None else eos_id)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id or 0)
+        return cls(job, options, stage_inputs(job, options), markers, tok, bos_id, eos_id,
+                   pad_id, progress, log, t_start)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.job.out_dir)
+
+    @property
+    def pretrain_dir(self) -> Path:
+        return self.job.work / "pretrain"
+
+    @property
+    def data_file(self) -> Path:
+        return self.job.work / "data.pt"
+
+    def runs(self, stage: str) -> bool:
+        """Whether the stage is part of this run at all (pretraining needs a corpus)."""
+        return stage != "pretrain" or self.inputs["pretrain"]["steps"] > 0
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        """The stage's record when it finished before with the same inputs, else None."""
+        if stage == "data" and not self.inputs["data"]["train_prompts_answered"]:
             # A raw-text-only run needs only the held-out answers: data that answered the
             # training prompts too holds exactly those (held-out requests come first, with
             # the same seeds), so a copy of a distilled run's data serves its baseline.
-            superset = {**inputs["data"], "train_prompts_answered": True}
-            if _stage_done(markers["data"], superset) is not None:
-                return _stage_done(markers["data"])
-        return _stage_done(markers[stage], inputs[stage], log)
-
-    def finish(stage: str, info: dict[str, Any]) -> None:
-        _write_json(markers[stage], {**info, "inputs": inputs[stage]})
-
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(str(job.target))
-    tcfg = _read_config(job.target)
-    eos_id = tcfg.get("eos_token_id")
-    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-    bos_id = tcfg.get("bos_token_id")
-    bos_id = bos_id if bos_id is not None else (tok.bos_token_id if tok.bos_token_id
-                                                  is not None else eos_id)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id or 0)
-
-    # ---- pretrain ----------------------------------------------------------------------
-    pre_dir = work / "pretrain"
-    pretrained = None
-    if inputs["pretrain"]["steps"] > 0:
-        pretrained = done("pretrain")
-        if pretrained is not None:
-            log(f"distill: stage pretrain done before ({pretrained['steps']} steps), skipped")
-        else:
-            t0 = time.time()
-            assert job.corpus is not None
-            files = corpus_files(job.corpus)
-            stream = corpus_stream(files, tok, bos_id, eos_id)
-            windows = stream_windows(stream, options.seq_len,
-                                     options.pretrain_steps * options.pretrain_batch,
-                                     options.seed + 1, bos_id)
-            model = _start_model(job, options)
-            log(f"distill: pretrain: {param_count(model):,} parameters on {len(files)} corpus "
-                f"files, {stream.numel():,} tokens")
-            pretrained = train_lm(model, (windows, windows), steps=options.pretrain_steps,
-                                  batch=options.pretrain_batch, lr=options.pretrain_lr,
-                                  seed=options.seed + 2, options=options, desc="pretrain",
-                                  progress=progress, log=log)
-            pretrained.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
-                              seconds=round(time.time() - t0, 1))
-            # Kept in float32: the next stage continues from it.
-            save_draft(model, pre_dir, job.target, "float32")
-            finish("pretrain", pretrained)
-    if stop_after == "pretrain":
-        return pretrained or {}
-
-    # ---- data --------------------------------------------------------------------------
-    data_file = work / "data.pt"
-    info = done("data")
-    if info is not None:
-        log(f"distill: stage data done before ({info['responses']} responses), skipped")
-    else:
-        t0 = time.time()
-        prompts = read_prompt_file(job.prompts)
-        if job.max_prompts is not None:
-            prompts = prompts[:job.max_prompts]
-        if options.chat_template:
-            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
-        train_idx, held_idx = split_prompts(len(prompts), options.heldout_fraction, options.seed)
-        if options.finetune_steps == 0:
-            train_idx = []  # a raw-text-only drafter needs only the held-out answers
-        # Held-out prompts first: their requests get the same seeds whether or not the
-        # training prompts are answered too, so a distilled drafter and its raw-text-only
-        # baseline are reported on identical held-out responses.
-        order = held_idx + train_idx
-        log(f"distill: data: {len(order)} prompts ({len(held_idx)} held out) x temperatures "
-            f"{list(options.temperatures)}, max_tokens {options.max_tokens}, target {job.target}")
-        responses = generate_responses(
-            job.target, [prompts[i] for i in order], temperatures=list(options.temperatures),
-            max_tokens=options.max_tokens, seed=options.seed,
-            engine_args={"torch_threads": options.threads, **(job.engine_args or {})},
-        )
-        n_held = len(held_idx) * len(options.temperatures)
-        as_rows = [dataclasses.asdict(r) for r in responses]
-        torch.save({"train": as_rows[n_held:], "heldout": as_rows[:n_held]}, data_file)
-        info = {
-            "seconds": round(time.time() - t0, 1),
-            "prompts": len(prompts), "train_prompts": len(train_idx),
-            "heldout_prompts": len(held_idx), "responses": len(responses),
-            "train_tokens": sum(len(r.response_ids) for r in responses[n_held:]),
-            "heldout_tokens": sum(len(r.response_ids) for r in responses[:n_held]),
-        }
-        finish("data", info)
-        log(f"distill: data: {json.dumps(info)}")
-    if stop_after == "data":
-        return info
-    data = torch.load(data_file)
-    train_responses = [Response(**r) for r in data["train"]]
-    heldout_responses = [Response(**r) for r in data["heldout"]]
-
-    # ---- finetune (and save) -----------------------------------------------------------
-    info = done("finetune")
-    if info is not None and not (out / "config.json").is_file():
-        info = None  # the output directory was removed since: save it again
-    if info is not None:
-        log(f"distill: stage finetune done before ({info.get('steps', 0)} steps), skipped")
-    else:
-        t0 = time.time()
-        model = load_causal_lm(pre_dir) if pretrained is not None else _start_model(job, options)
-        if options.finetune_steps > 0:
-            ids, labels = response_tensors(train_responses, options.seq_len, pad_id)
-            info = train_lm(model, (ids, labels), steps=options.finetune_steps,
-                            batch=options.finetune_batch, lr=options.finetune_lr,
-                            seed=options.seed + 3, options=options, desc="finetune",
-                            progress=progress, log=log)
-        else:
-            info = {"steps": 0}
-        save_draft(model, out, job.target, options.save_dtype)
-        info["seconds"] = round(time.time() - t0, 1)
-        finish("finetune", info)
-        log(f"distill: drafter written to {out}")
-    if stop_after == "finetune":
+            superset = {**self.inputs["data"], "train_prompts_answered": True}
+            if _stage_done(self.markers["data"], superset) is not None:
+                return _stage_done(self.markers["data"])
+        info = _stage_done(self.markers[stage], self.inputs[stage], self.log)
+        if stage == "finetune" and info is not None and not (self.out / "config.json").is_file():
+            return None  # the output directory was removed since: save it again
         return info
 
-    # ---- report ------------------------------------------------------------------------
-    report = done("report")
-    if report is not None:
-        log(f"distill: stage report done before ({markers['report']}), skipped")
-        return report
+    def finish(self, stage: str, info: dict[str, Any]) -> None:
+        _write_json(self.markers[stage], {**info, "inputs": self.inputs[stage]})
+
+    def responses(self, split: str) -> list[Response]:
+        """The data stage's ``"train"`` or ``"heldout"`` responses (read once)."""
+        if self._data is None:
+            data = torch.load(self.data_file)
+            self._data = {k: [Response(**r) for r in data[k]] for k in ("train", "heldout")}
+        return self._data[split]
+
+
+def run_pretrain(run: DistillRun) -> dict[str, Any]:
+    """Stage ``pretrain``: language-model training on corpus windows; the model is kept
+    (float32) in the work directory for the next stage."""
+    options, job = run.options, run.job
+    t0 = time.time()
+    assert job.corpus is not None
+    files = corpus_files(job.corpus)
+    stream = corpus_stream(files, run.tokenizer, run.bos_id, run.eos_id)
+    windows = stream_windows(stream, options.seq_len,
+                             options.pretrain_steps * options.pretrain_batch,
+                             options.seed + 1, run.bos_id)
+    model = _start_model(job, options)
+    run.log(f"distill: pretrain: {param_count(model):,} parameters on {len(files)} corpus "
+            f"files, {stream.numel():,} tokens")
+    info = train_lm(model, (windows, windows), steps=options.pretrain_steps,
+                    batch=options.pretrain_batch, lr=options.pretrain_lr,
+                    seed=options.seed + 2, options=options, desc="pretrain",
+                    progress=run.progress, log=run.log)
+    info.update(corpus_files=len(files), corpus_tokens=int(stream.numel()),
+                seconds=round(time.time() - t0, 1))
+    # Kept in float32: the next stage continues from it.
+    save_draft(model, run.pretrain_dir, job.target, "float32")
+    return info
+
+
+def run_data(run: DistillRun) -> dict[str, Any]:
+    """Stage ``data``: the target answers the prompts in vLLM at every temperature."""
+    from vllm_specx.training.data import generate_responses, read_prompt_file
+
+    options, job = run.options, run.job
+    t0 = time.time()
+    prompts = read_prompt_file(job.prompts)
+    if job.max_prompts is not None:
+        prompts = prompts[:job.max_prompts]
+    if options.chat_template:
+        prompts = [run.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+        ) for p in prompts]
+    train_idx, held_idx = split_prompts(len(prompts), options.heldout_fraction, options.seed)
+    if options.finetune_steps == 0:
+        train_idx = []  # a raw-text-only drafter needs only the held-out answers
+    # Held-out prompts first: their requests get the same seeds whether or not the
+    # training prompts are answered too, so a distilled drafter and its raw-text-only
+    # baseline are reported on identical held-out responses.
+    order = held_idx + train_idx
+    run.log(f"distill: data: {len(order)} prompts ({len(held_idx)} held out) x temperatures "
+            f"{list(options.temperatures)}, max_tokens {options.max_tokens}, "
+            f"target {job.target}")
+    responses = generate_responses(
+        job.target, [prompts[i] for i in order], temperatures=list(options.temperatures),
+        max_tokens=options.max_tokens, seed=options.seed,
+        engine_args={"torch_threads": options.threads, **(job.engine_args or {})},
+    )
+    n_held = len(held_idx) * len(options.temperatures)
+    as_rows = [dataclasses.asdict(r) for r in responses]
+    torch.save({"train": as_rows[n_held:], "heldout": as_rows[:n_held]}, run.data_file)
+    run._data = None
+    info = {
+        "seconds": round(time.time() - t0, 1),
+        "prompts": len(prompts), "train_prompts": len(train_idx),
+        "heldout_prompts": len(held_idx), "responses": len(responses),
+        "train_tokens": sum(len(r.response_ids) for r in responses[n_held:]),
+        "heldout_tokens": sum(len(r.response_ids) for r in responses[:n_held]),
+    }
+    run.log(f"distill: data: {json.dumps(info)}")
+    return info
+
+
+def run_finetune(run: DistillRun) -> dict[str, Any]:
+    """Stage ``finetune``: training on the target's answers to the training prompts, from
+    the pretrained model (or the start model); the drafter is saved to the output."""
+    options, job = run.options, run.job
+    t0 = time.time()
+    model = (load_causal_lm(run.pretrain_dir) if run.runs("pretrain")
+             else _start_model(job, options))
+    if options.finetune_steps > 0:
+        ids, labels = response_tensors(run.responses("train"), options.seq_len, run.pad_id)
+        info = train_lm(model, (ids, labels), steps=options.finetune_steps,
+                        batch=options.finetune_batch, lr=options.finetune_lr,
+                        seed=options.seed + 3, options=options, desc="finetune",
+                        progress=run.progress, log=run.log)
+    else:
+        info = {"steps": 0}
+    save_draft(model, run.out, job.target, options.save_dtype)
+    info["seconds"] = round(time.time() - t0, 1)
+    run.log(f"distill: drafter written to {run.out}")
+    return info
+
+
+def run_report(run: DistillRun) -> dict[str, Any]:
+    """Stage ``report``: the saved drafter, reloaded as a user would, measured on the
+    held-out responses; REPORT.json's content."""
+    from vllm_specx.training.data import model_summary
+
+    options, job, out = run.options, run.job, run.out
     t0 = time.time()
     target_model = load_causal_lm(job.target)
     draft_model = load_causal_lm(out)
-    heldout = heldout_metrics(target_model, draft_model, heldout_responses, pad_id=pad_id,
-                              progress=progress)
+    heldout = heldout_metrics(target_model, draft_model, run.responses("heldout"),
+                              pad_id=run.pad_id, progress=run.progress)
     del target_model
     weights = sorted(out.glob("*.safetensors"))
-    stages = {s: _stage_done(markers[s]) for s in STAGES[:3]}
+    stages = {s: _stage_done(run.markers[s]) for s in STAGES[:3]}
     for record in stages.values():
         if record:
             record.pop("inputs", None)
-    if inputs["pretrain"]["steps"] == 0:
+    if not run.runs("pretrain"):
         stages["pretrain"] = None
     report = {
-        "description": "drafter trained by vllm-specx distill (seed 004: self-distillation "
-        "from the target at several temperatures, optional raw-text pretraining)",
+        "description": "drafter trained by vllm-specx distill (Yi et al., 'Towards Fast "
+        "Multilingual LLM Inference: Speculative Decoding and Specialized Drafters': "
+        "self-distillation from the target at several temperatures, optional raw-text "
+        "pretraining)",
         "command": job.command,
         "target": model_summary(job.target),
         "draft": {
@@ -825,14 +866,63 @@ def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
             "(standard speculative sampling at temperature 1)"),
         "versions": _versions(options),
         "report_seconds": round(time.time() - t0, 1),
-        "total_seconds_this_run": round(time.time() - t_start, 1),
+        "total_seconds_this_run": round(time.time() - run.t_start, 1),
     }
     # The paths of this machine stay out of a report meant to be committed.
     for section in ("target", "draft"):
         report[section].pop("path", None)
-    finish("report", report)
-    log(f"distill: held-out {json.dumps(heldout)}")
+    run.log(f"distill: held-out {json.dumps(heldout)}")
     return report
+
+
+# Stage -> the function that runs it, in STAGES order.
+STAGE_RUNNERS: dict[str, Callable[[DistillRun], dict[str, Any]]] = {
+    "pretrain": run_pretrain, "data": run_data, "finetune": run_finetune, "report": run_report,
+}
+
+
+def _skip_note(stage: str, record: dict[str, Any], run: DistillRun) -> str:
+    """What a finished stage's record says, for the "done before" line."""
+    if stage == "data":
+        return f"{record['responses']} responses"
+    if stage == "report":
+        return str(run.markers["report"])
+    return f"{record.get('steps', 0)} steps"
+
+
+def resume_stages(run: DistillRun, stop_after: str | None = None,
+                  runners: dict[str, Callable[[DistillRun], dict[str, Any]]] | None = None,
+                  ) -> dict[str, Any]:
+    """The resume driver: each stage of the run, in order, is skipped when its marker
+    records the same inputs, else run and marked done. Returns the last stage's record
+    (``stop_after``'s, or the report; ``{}`` when ``stop_after`` names a stage this run
+    skips)."""
+    runners = STAGE_RUNNERS if runners is None else runners
+    record: dict[str, Any] = {}
+    for stage in STAGES:
+        record = {}
+        if run.runs(stage):
+            done = run.done(stage)
+            if done is not None:
+                run.log(f"distill: stage {stage} done before ({_skip_note(stage, done, run)}), "
+                        "skipped")
+                record = done
+            else:
+                record = runners[stage](run)
+                run.finish(stage, record)
+        if stage == stop_after:
+            break
+    return record
+
+
+def distill(job: DistillJob, options: DistillOptions = DistillOptions(), *,
+            progress: bool = True, log: Callable[[str], None] = _log,
+            stop_after: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the pipeline of the module doc; returns the REPORT.json content (or,
+    with ``stop_after``, the record of that stage)."""
+    options.check()
+    run = DistillRun.start(job, options, progress=progress, log=log)
+    return resume_stages(run, stop_after)
 
 
 def _start_model(job: DistillJob, options: DistillOptions) -> nn.Module:

@@ -170,7 +170,9 @@ class HeadData:
     signals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_sequences(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one right-padded ``[B, max_len]`` id tensor and its attention mask
+    (1 on tokens, 0 on padding)."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -221,7 +223,7 @@ def score_responses(
         bar.update(min(batch_size, len(responses) - start))
         if not chunk:
             continue
-        ids, mask = _pad([r.prompt_ids + r.response_ids for _, r in chunk], pad_id)
+        ids, mask = pad_sequences([r.prompt_ids + r.response_ids for _, r in chunk], pad_id)
         with torch.no_grad():
             p_logits = target_model(input_ids=ids, attention_mask=mask).logits.float()
             q_logits = draft_model(input_ids=ids, attention_mask=mask).logits.float()
@@ -250,7 +252,7 @@ def score_responses(
             keeps.append((a, keep_target, conf))
             n_positions += n_r
             label_sum_all += float(a.sum())
-        mids, mmask = _pad(mixed_seqs, pad_id)
+        mids, mmask = pad_sequences(mixed_seqs, pad_id)
         with torch.no_grad():
             hidden = _decoder(draft_model)(input_ids=mids, attention_mask=mmask)
             hidden = hidden.last_hidden_state.float()
@@ -372,6 +374,99 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def generate_head_responses(
+    target: str | os.PathLike, prompts: list[str], options: HeadTrainOptions, *,
+    engine_args: dict[str, Any] | None, log: Any,
+) -> tuple[list[Response], float]:
+    """Step 1: the target answers the prompts in vLLM at every temperature; returns the
+    responses and the seconds it took."""
+    from vllm_specx.training.data import generate_responses
+
+    t0 = time.time()
+    responses = generate_responses(
+        target, prompts, temperatures=list(options.temperatures),
+        max_tokens=options.max_tokens, seed=options.seed,
+        engine_args={"torch_threads": options.threads, **(engine_args or {})},
+    )
+    seconds = time.time() - t0
+    n_tokens = sum(len(r.response_ids) for r in responses)
+    log(f"generated {len(responses)} responses, {n_tokens} tokens in {seconds:.1f}s")
+    return responses, seconds
+
+
+def score_with_models(
+    target: str | os.PathLike, draft: str | os.PathLike, responses: list[Response],
+    options: HeadTrainOptions, *, progress: bool, log: Any,
+) -> tuple[HeadData, float]:
+    """Step 2: load the target and the draft in transformers and score the responses
+    (:func:`score_responses`); returns the head's rows and the seconds it took."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    t0 = time.time()
+    hf_logging.disable_progress_bar()
+    target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    draft_model = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(target))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    data = score_responses(
+        target_model, draft_model, responses, mix_ratio=options.mix_ratio, seed=options.seed,
+        batch_size=options.score_batch_size, pad_id=pad_id, progress=progress,
+        draft_tokens=options.draft_tokens,
+    )
+    del target_model, draft_model
+    seconds = time.time() - t0
+    log(f"scored: {json.dumps(data.stats)} in {seconds:.1f}s")
+    return data, seconds
+
+
+def fit_and_measure_head(
+    data: HeadData, num_responses: int, options: HeadTrainOptions, *, progress: bool,
+    log: Any,
+) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any], float]:
+    """Step 3: split by response, train the head, measure it on both splits (and the
+    draft's own confidence signals on the held-out rows). Returns (head, per-epoch
+    history, metrics, training seconds)."""
+    train_idx, held_idx = split_responses(num_responses, options.heldout_fraction, options.seed)
+    train, heldout = _subset(data, train_idx), _subset(data, held_idx)
+    if train.labels.numel() == 0:
+        raise ValueError("train-head: no training rows (too few prompts or tokens)")
+    t0 = time.time()
+    head, history = train_head_on_data(train, heldout, options, progress=progress, log=log)
+    seconds = time.time() - t0
+    metrics = {
+        "heldout": head_metrics(head, heldout.features, heldout.labels, options.reject_weight),
+        "train": head_metrics(head, train.features, train.labels, options.reject_weight),
+    }
+    metrics["heldout"]["responses"] = len(held_idx)
+    metrics["heldout"]["confidence_signal_auc"] = signal_aucs(heldout)
+    metrics["train"]["responses"] = len(train_idx)
+    return head, history, metrics, seconds
+
+
+def head_training_record(
+    options: HeadTrainOptions, prompts_file: str | os.PathLike, num_prompts: int,
+    data: HeadData, seconds: dict[str, float],
+) -> dict[str, Any]:
+    """The ``training`` section of the head's metadata: recipe, options, prompts, data,
+    times and versions."""
+    from vllm_specx.training.data import sha256_of_files
+
+    prompts_path = Path(prompts_file)
+    return {
+        "recipe": "SpecDec++ (soft labels min(1, p/q), token mixing, weighted soft BCE)"
+        if options.draft_tokens == "sampled" else "SpecDec++ with greedy draft tokens "
+        "(label: draft argmax == target argmax), token mixing, weighted soft BCE",
+        "options": {k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in dataclasses.asdict(options).items()},
+        "prompts": {"file": prompts_path.name, "sha256": sha256_of_files([prompts_path]),
+                    "count": num_prompts},
+        "data": data.stats,
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+    }
+
+
 def train_head(
     target: str | os.PathLike,
     draft: str | os.PathLike,
@@ -384,14 +479,10 @@ def train_head(
     progress: bool = True,
     log: Any = _log,
 ) -> dict[str, Any]:
-    """The whole ``train-head`` pipeline; returns the config written next to the head."""
+    """The whole ``train-head`` pipeline (generate, score, fit, write); returns the config
+    written next to the head."""
     from vllm_specx.algorithms.acceptance_head import save_head
-    from vllm_specx.training.data import (
-        generate_responses,
-        model_summary,
-        read_prompt_file,
-        sha256_of_files,
-    )
+    from vllm_specx.training.data import model_summary, read_prompt_file
 
     options.check()
     t_start = time.time()
@@ -401,66 +492,18 @@ def train_head(
         prompts = prompts[:max_prompts]
     log(f"train-head: {len(prompts)} prompts x temperatures {list(options.temperatures)}, "
         f"max_tokens {options.max_tokens}, target {target}, draft {draft}")
-
-    t0 = time.time()
-    responses = generate_responses(
-        target, prompts, temperatures=list(options.temperatures),
-        max_tokens=options.max_tokens, seed=options.seed,
-        engine_args={"torch_threads": options.threads, **(engine_args or {})},
-    )
-    t_generate = time.time() - t0
-    n_tokens = sum(len(r.response_ids) for r in responses)
-    log(f"generated {len(responses)} responses, {n_tokens} tokens in {t_generate:.1f}s")
-
-    t0 = time.time()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    draft_model = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(target))
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    data = score_responses(
-        target_model, draft_model, responses, mix_ratio=options.mix_ratio, seed=options.seed,
-        batch_size=options.score_batch_size, pad_id=pad_id, progress=progress,
-        draft_tokens=options.draft_tokens,
-    )
-    del target_model, draft_model
-    t_score = time.time() - t0
-    log(f"scored: {json.dumps(data.stats)} in {t_score:.1f}s")
-
-    train_idx, held_idx = split_responses(len(responses), options.heldout_fraction, options.seed)
-    train, heldout = _subset(data, train_idx), _subset(data, held_idx)
-    if train.labels.numel() == 0:
-        raise ValueError("train-head: no training rows (too few prompts or tokens)")
-    t0 = time.time()
-    head, history = train_head_on_data(train, heldout, options, progress=progress, log=log)
-    t_train = time.time() - t0
-    metrics = {
-        "heldout": head_metrics(head, heldout.features, heldout.labels, options.reject_weight),
-        "train": head_metrics(head, train.features, train.labels, options.reject_weight),
-    }
-    metrics["heldout"]["responses"] = len(held_idx)
-    metrics["heldout"]["confidence_signal_auc"] = signal_aucs(heldout)
-    metrics["train"]["responses"] = len(train_idx)
-    prompts_path = Path(prompts_file)
+    responses, t_generate = generate_head_responses(target, prompts, options,
+                                                    engine_args=engine_args, log=log)
+    data, t_score = score_with_models(target, draft, responses, options, progress=progress,
+                                      log=log)
+    head, history, metrics, t_train = fit_and_measure_head(
+        data, len(responses), options, progress=progress, log=log)
+    seconds = {"generate": t_generate, "score": t_score, "train": t_train,
+               "total": time.time() - t_start}
     head.meta = {
         "draft_model": model_summary(draft),
         "target_model": model_summary(target),
-        "training": {
-            "recipe": "SpecDec++ (soft labels min(1, p/q), token mixing, weighted soft BCE)"
-            if options.draft_tokens == "sampled" else "SpecDec++ with greedy draft tokens "
-            "(label: draft argmax == target argmax), token mixing, weighted soft BCE",
-            "options": {k: (list(v) if isinstance(v, tuple) else v)
-                        for k, v in dataclasses.asdict(options).items()},
-            "prompts": {"file": prompts_path.name, "sha256": sha256_of_files([prompts_path]),
-                        "count": len(prompts)},
-            "data": data.stats,
-            "seconds": {"generate": round(t_generate, 1), "score": round(t_score, 1),
-                        "train": round(t_train, 1), "total": round(time.time() - t_start, 1)},
-            "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        },
+        "training": head_training_record(options, prompts_file, len(prompts), data, seconds),
         "metrics": metrics,
     }
     out = save_head(head, out_dir)
