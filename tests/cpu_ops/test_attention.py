@@ -207,6 +207,17 @@ class TestPagedAttention:
         # The builder passes causal=False with a per-request flag tensor.
         _run([40, 3], [40, 50], causal=False, dynamic_causal=[0, 1], seed=6)
 
+    def test_single_request(self):
+        # One request without ALiBi/softcap/sinks takes the op's few-op path (the batch-1
+        # decoding and verification step): decode, verify, prefill, encoder, a window
+        # longer than the context; a window that cuts the keys takes the padded path.
+        for case, (q_lens, seq_lens, kw) in enumerate([
+            ([1], [70], {}), ([4], [100], {}), ([33], [33], {}),
+            ([40], [40], {"causal": False}), ([3], [50], {"window": 64}),
+            ([3], [50], {"window": 20}), ([5], [64], {"num_heads": 2, "num_kv_heads": 2}),
+        ]):
+            _run(q_lens, seq_lens, seed=10 + case, **kw)
+
     def test_cache_write_layout_and_padding_slot(self):
         from vllm import _custom_ops as ops
 

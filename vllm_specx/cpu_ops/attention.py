@@ -9,7 +9,10 @@ block_size, head_size]`` views. Every write below goes through those views in pl
 The attention itself is written for clarity and vectorised over requests: gather each
 request's keys/values through its block table into a padded ``[reqs, kv_heads,
 max_seq, head]`` tensor, build one boolean mask for every (request, query, key), and
-run a masked softmax in float32 (float64 for float64 inputs).
+run a masked softmax in float32 (float64 for float64 inputs). A batch of one request
+without ALiBi, softcap, sinks or a key-cutting window (decoding and verification at
+batch 1) takes a shorter path with the same maths: its op count per layer is what a
+small model's step pays in Python and dispatch, not in arithmetic.
 """
 
 from __future__ import annotations
@@ -151,32 +154,139 @@ def cpu_attention_with_kv_cache(
     num_tokens, num_heads, head_size = query.shape
     if num_tokens == 0:
         return
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    group = num_heads // num_kv_heads
     out = output.view(num_tokens, num_heads, head_size)  # must alias: written in place
-
-    qsl = query_start_loc.to(torch.int64)
-    num_reqs = qsl.shape[0] - 1
-    q_lens = qsl[1:] - qsl[:-1]
-    s_lens = seq_lens[:num_reqs].to(torch.int64)
-    max_q = int(q_lens.max())
-    max_s = int(s_lens.max())
-    if max_q == 0:
+    batch = _Batch.of(query_start_loc, seq_lens, causal, dynamic_causal)
+    if batch.max_q == 0:
         return
+    window = int(sliding_window_size) if sliding_window_size and sliding_window_size > 0 else 0
+    if (batch.num_reqs == 1 and alibi_slopes is None and softcap <= 0 and s_aux is None
+            and (window == 0 or window >= batch.max_s)):
+        _attend_one_request(query, key_cache, value_cache, out, batch, scale, block_table)
+        return
+    _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
+                   window, softcap, alibi_slopes, s_aux)
+
+
+class _Batch:
+    """A ragged batch's shape: per request its query rows and cached length."""
+
+    def __init__(self, qsl: torch.Tensor, q_lens: torch.Tensor, s_lens: torch.Tensor,
+                 req_causal: torch.Tensor) -> None:
+        self.qsl, self.q_lens, self.s_lens, self.req_causal = qsl, q_lens, s_lens, req_causal
+        self.num_reqs = q_lens.shape[0]
+        self.max_q = int(q_lens.max())
+        self.max_s = int(s_lens.max())
+
+    @classmethod
+    def of(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, causal: bool,
+           dynamic_causal: torch.Tensor | None) -> _Batch:
+        qsl = query_start_loc.to(torch.int64)
+        num_reqs = qsl.shape[0] - 1
+        req_causal = torch.full((num_reqs,), bool(causal))
+        if dynamic_causal is not None:
+            req_causal = req_causal | (dynamic_causal[:num_reqs] != 0)
+        return cls(qsl, qsl[1:] - qsl[:-1], seq_lens[:num_reqs].to(torch.int64), req_causal)
+
+
+def _attend_one_request(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: _Batch,
+    scale: float,
+    block_table: torch.Tensor,
+) -> None:
+    """One request without ALiBi, softcap, sinks or a window that cuts its keys: the
+    common decoding/verification step at batch 1, in a few ops (no padding, no per-row
+    masks beyond the causal one). Same maths as :func:`_attend_padded`."""
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    n, s = int(batch.q_lens[0]), batch.max_s
+    first = int(batch.qsl[0])
     cdt = _compute_dtype(query.dtype)
+    # [n, kv_heads, group, head] -> [kv_heads, group, n, head]
+    q = query[first:first + n].view(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    n_blk = (s + block_size - 1) // block_size
+    blocks = block_table[0, :n_blk].to(torch.int64)
 
-    # Which request and row each query token is.
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # [n_blk, kv_heads, block, head] -> [kv_heads, 1, s, head]
+        g = cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_size)
+        return g[:, None, :s].to(cdt)
+
+    scores = torch.matmul(q.to(cdt), gather(key_cache).transpose(-1, -2)) * scale
+    if n > 1 and bool(batch.req_causal[0]):
+        # Query row i sits at position s - n + i and sees keys 0..s - n + i.
+        allowed = torch.ones(n, s, dtype=torch.bool).tril(diagonal=s - n)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    ctx = torch.matmul(torch.softmax(scores, dim=-1), gather(value_cache))
+    out[first:first + n] = ctx.permute(2, 0, 1, 3).reshape(n, num_heads, head_size).to(out.dtype)
+
+
+def _attend_padded(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: _Batch,
+    scale: float,
+    block_table: torch.Tensor,
+    window: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    s_aux: torch.Tensor | None,
+) -> None:
+    """Any batch: pad queries and keys to the longest request, mask, softmax, scatter."""
+    num_kv_heads = key_cache.shape[1]
+    cdt = _compute_dtype(query.dtype)
+    q_pad, req_of_token, row_of_token = _padded_queries(query, batch, num_kv_heads, cdt)
+    k_all, v_all = _gathered_kv(key_cache, value_cache, batch, block_table, cdt)
+    # scores: [reqs, kv_heads, group, max_q, max_s]
+    scores = torch.einsum("rqhgd,rhsd->rhgqs", q_pad, k_all) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed, dist = _allowed_keys(batch, window)
+    if alibi_slopes is not None:
+        group = q_pad.shape[3]
+        slopes = alibi_slopes.to(cdt).view(num_kv_heads, group)
+        scores = scores + slopes[None, :, :, None, None] * (-dist.to(cdt))[:, None, None]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = _softmax_with_sinks(scores, s_aux, num_kv_heads, cdt)
+    # Padding rows (and any row with nothing to attend to) would be 0/0: zero them
+    # explicitly rather than nan_to_num, which would also hide real NaNs.
+    probs = torch.where(allowed.any(dim=-1)[:, None, None, :, None], probs, 0.0)
+    ctx = torch.einsum("rhgqs,rhsd->rqhgd", probs, v_all)
+    num_heads, head_size = query.shape[1], query.shape[2]
+    ctx = ctx.reshape(batch.num_reqs, batch.max_q, num_heads, head_size)
+    out[: req_of_token.shape[0]] = ctx[req_of_token, row_of_token].to(out.dtype)
+
+
+def _padded_queries(
+    query: torch.Tensor, batch: _Batch, num_kv_heads: int, cdt: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries padded to ``[reqs, max_q, kv_heads, group, head]``, and which request
+    and row each query token is."""
+    _, num_heads, head_size = query.shape
+    req_of_token = torch.repeat_interleave(torch.arange(batch.num_reqs), batch.q_lens)
     n_q = req_of_token.shape[0]
-    row_of_token = torch.arange(n_q) - qsl[:-1][req_of_token]
-
-    # Padded queries: [reqs, max_q, kv_heads, group, head].
-    q_pad = query.new_zeros((num_reqs, max_q, num_heads, head_size), dtype=cdt)
+    row_of_token = torch.arange(n_q) - batch.qsl[:-1][req_of_token]
+    q_pad = query.new_zeros((batch.num_reqs, batch.max_q, num_heads, head_size), dtype=cdt)
     q_pad[req_of_token, row_of_token] = query[:n_q].to(cdt)
-    q_pad = q_pad.view(num_reqs, max_q, num_kv_heads, group, head_size)
+    group = num_heads // num_kv_heads
+    q_pad = q_pad.view(batch.num_reqs, batch.max_q, num_kv_heads, group, head_size)
+    return q_pad, req_of_token, row_of_token
 
-    # Gather each request's keys/values through its block table:
-    # [reqs, n_blk, kv_heads, block, head] -> [reqs, kv_heads, n_blk * block, head].
+
+def _gathered_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, batch: _Batch,
+    block_table: torch.Tensor, cdt: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys/values through its block table, as ``[reqs, kv_heads, max_s,
+    head]``, zero past each request's length."""
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_reqs, max_s = batch.num_reqs, batch.max_s
     n_blk = (max_s + block_size - 1) // block_size
     blk_ids = block_table[:num_reqs, :n_blk].to(torch.int64).clamp(0, num_blocks - 1)
 
@@ -185,24 +295,20 @@ def cpu_attention_with_kv_cache(
         g = g.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, n_blk * block_size, -1)
         return g[:, :, :max_s].to(cdt)
 
-    k_all = gather(key_cache)
-    v_all = gather(value_cache)
     # Slots past a request's length hold whatever an earlier request left (or block 0
     # for unused table entries); zero them so 0-weight * stale-NaN cannot leak in.
-    key_valid = torch.arange(max_s)[None, :] < s_lens[:, None]  # [reqs, max_s]
-    k_all = k_all.masked_fill(~key_valid[:, None, :, None], 0.0)
-    v_all = v_all.masked_fill(~key_valid[:, None, :, None], 0.0)
+    key_valid = torch.arange(max_s)[None, :] < batch.s_lens[:, None]  # [reqs, max_s]
+    k_all = gather(key_cache).masked_fill(~key_valid[:, None, :, None], 0.0)
+    v_all = gather(value_cache).masked_fill(~key_valid[:, None, :, None], 0.0)
+    return k_all, v_all
 
-    # scores: [reqs, kv_heads, group, max_q, max_s]
-    scores = torch.einsum("rqhgd,rhsd->rhgqs", q_pad, k_all) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
 
-    req_causal = torch.full((num_reqs,), bool(causal))
-    if dynamic_causal is not None:
-        req_causal = req_causal | (dynamic_causal[:num_reqs] != 0)
-    rows = torch.arange(max_q)
-    keys = torch.arange(max_s)
+def _allowed_keys(batch: _Batch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which key each (request, query row) may see, ``[reqs, max_q, max_s]``, and the
+    distance ``p - k`` between query position and key position."""
+    q_lens, s_lens, req_causal = batch.q_lens, batch.s_lens, batch.req_causal
+    rows = torch.arange(batch.max_q)
+    keys = torch.arange(batch.max_s)
     # Query position per (request, row): [reqs, max_q].
     q_pos = torch.where(
         req_causal[:, None], (s_lens - q_lens)[:, None] + rows[None, :], rows[None, :]
@@ -212,28 +318,21 @@ def cpu_attention_with_kv_cache(
         rows[None, :, None] < q_lens[:, None, None]
     )
     allowed &= ~req_causal[:, None, None] | (dist >= 0)
-    if sliding_window_size is not None and sliding_window_size > 0:
-        window = int(sliding_window_size)
+    if window > 0:
         allowed &= dist < window
         allowed &= req_causal[:, None, None] | (-dist < window)
+    return allowed, dist
 
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(cdt).view(num_kv_heads, group)
-        scores = scores + slopes[None, :, :, None, None] * (-dist.to(cdt))[:, None, None]
 
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    if s_aux is not None:
-        sink = s_aux.to(cdt).view(1, num_kv_heads, group, 1, 1)
-        row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
-        weights = torch.exp(scores - row_max)
-        denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
-        probs = weights / denom
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    # Padding rows (and any row with nothing to attend to) would be 0/0: zero them
-    # explicitly rather than nan_to_num, which would also hide real NaNs.
-    probs = torch.where(allowed.any(dim=-1)[:, None, None, :, None], probs, 0.0)
-
-    ctx = torch.einsum("rhgqs,rhsd->rqhgd", probs, v_all)
-    ctx = ctx.reshape(num_reqs, max_q, num_heads, head_size)
-    out[:n_q] = ctx[req_of_token, row_of_token].to(out.dtype)
+def _softmax_with_sinks(
+    scores: torch.Tensor, s_aux: torch.Tensor | None, num_kv_heads: int, cdt: torch.dtype
+) -> torch.Tensor:
+    """Softmax over keys; ``s_aux[h]`` (attention sinks) joins the normaliser only."""
+    if s_aux is None:
+        return torch.softmax(scores, dim=-1)
+    group = scores.shape[2]
+    sink = s_aux.to(cdt).view(1, num_kv_heads, group, 1, 1)
+    row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
+    return weights / denom
