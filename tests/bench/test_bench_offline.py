@@ -162,6 +162,45 @@ def test_markdown_table_has_one_row_per_config():
     assert "CPU reference backend" in md
 
 
+def _verdict_report(temperature: float, rows: list[tuple[str, str, float, float]]) -> dict:
+    """A report whose configurations are (name, method, wall speed-up, matches_baseline)."""
+    base = {"name": "baseline", "method": "none", "tokens_per_s": 10.0,
+            "measured_speedup": 1.0, "matches_baseline": None}
+    configs = [base] + [{"name": n, "method": m, "tokens_per_s": 10.0 * s,
+                         "measured_speedup": s, "matches_baseline": match}
+                        for n, m, s, match in rows]
+    return {"sampling": {"temperature": temperature}, "configs": configs}
+
+
+def test_verdict_names_fastest_fastest_lossless_and_greedy_match():
+    from vllm_specx.bench.report import verdict
+
+    line = verdict(_verdict_report(0.0, [("draft K=1", "draft_model", 1.1, 1.0),
+                                         ("mtad B=2", "mtad", 1.3, 0.5),
+                                         ("adaptive", "adaptive", 1.2, 1.0)]))
+    assert "\n" not in line
+    assert "fastest: mtad B=2 at 1.30x wall clock vs no speculation (10.0 tok/s without)" in line
+    assert "fastest lossless: adaptive at 1.20x" in line  # mtad is not lossless
+    # mtad's 0.5 does not count: only lossless methods must equal no speculation.
+    assert "greedy output equals no speculation for all 2 lossless configurations" in line
+    assert markdown_table({**_report(), **_verdict_report(0.0, [
+        ("d", "draft_model", 1.1, 1.0)])}).splitlines()[0].startswith("**verdict:**")
+
+
+def test_verdict_when_speculation_loses_or_greedy_differs():
+    from vllm_specx.bench.report import verdict
+
+    line = verdict(_verdict_report(0.0, [("draft K=1", "draft_model", 0.9, 1.0),
+                                         ("ngram", "ngram", 0.8, 0.75)]))
+    assert "fastest: no speculation (10.0 tok/s without); best speculative: draft K=1 at 0.90x" \
+        in line
+    assert "fastest lossless: the same" in line
+    assert "DIFFERS from no speculation for 1 of 2 lossless configurations (ngram)" in line
+    sampled = verdict(_verdict_report(1.0, [("draft K=1", "draft_model", 1.05, 0.0)]))
+    assert "greedy output: not compared (sampled run" in sampled
+    assert "no speculative configuration" in verdict(_verdict_report(0.0, []))
+
+
 def test_plots_are_written(tmp_path: Path):
     paths = write_plots(_report(), tmp_path / "report")
     assert [p.name for p in paths] == [

@@ -95,7 +95,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
                    help="extra vllm.LLM keyword arguments for every engine, e.g. "
                    "'{\"enforce_eager\": false, \"max_model_len\": 2048}' (defaults: "
-                   "vllm_specx.engine.CPU_ENGINE_DEFAULTS)")
+                   "vllm_specx.engine.CPU_ENGINE_DEFAULTS; dtype bfloat16 on a CPU with "
+                   "native bfloat16, else float32, or $VLLM_SPECX_CPU_DTYPE)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     p.set_defaults(func=cmd_bench)
@@ -135,92 +136,25 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class _BadArguments(Exception):
+    """A command-line error: reported as one line, exit status 2, before any engine."""
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; 0 on success, 1 if a configuration
     failed (the others are still reported), 2 on bad arguments."""
-    from vllm_specx.bench.configs import (
-        default_configs,
-        default_name,
-        parse_config_arg,
-        unique_names,
-        with_default_draft,
-    )
-    from vllm_specx.bench.engine_run import Sampling
-    from vllm_specx.bench.prompts import default_prompts, read_jsonl
-
-    if args.max_tokens < 1:
-        return _fail("--max-tokens must be >= 1")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        return _fail("--num-prompts must be >= 1")
-    if args.temperature < 0:
-        return _fail("--temperature must be >= 0")
     try:
-        engine_overrides = json.loads(args.engine_args) if args.engine_args else {}
-    except json.JSONDecodeError as exc:
-        return _fail(f"--engine-args is not JSON: {exc.msg}")
-    if not isinstance(engine_overrides, dict):
-        return _fail("--engine-args must be a JSON object")
-    engine_overrides.setdefault("seed", args.seed)
-    pair = args.pair or os.environ.get(PAIR_ENV) or "real"
-    if pair not in PAIRS:
-        return _fail(f"{PAIR_ENV}={pair!r} is not a pair; allowed: {', '.join(PAIRS)}")
-
-    try:
-        parsed = [parse_config_arg(text) for text in (args.config or [])]
-    except ValueError as exc:
+        engine_overrides = _engine_overrides(args)
+        pair = _pair(args)
+        parsed = _parsed_configs(args, pair)
+        target, draft = _models(args, pair, parsed, engine_overrides)
+        prompt_set, names, configs = _prompts_and_configs(args, pair, parsed, draft)
+    except _BadArguments as exc:
         return _fail(str(exc))
-    if not args.config:
-        if pair == "real":
-            k = args.num_speculative_tokens or REAL_PAIR_K
-            parsed = [(None, {**cfg, "num_speculative_tokens": k})
-                      for cfg in default_configs(k)]
-        else:
-            parsed = [(None, cfg)
-                      for cfg in default_configs(args.num_speculative_tokens or DEFAULT_K)]
-
-    target, draft = args.target, args.draft
-    needs_draft = draft is None and _any_needs_draft(parsed)
-    if pair == "real" and (target is None or needs_draft):
-        from vllm_specx import real_pair
-
-        try:
-            # The drafter first: it is a quick check, the target may mean a download.
-            draft = draft or (real_pair.draft_dir() if needs_draft else None)
-            target = target or real_pair.ensure_target(log=_log)
-        except real_pair.RealPairError as exc:
-            return _fail(f"{exc} (or pass --pair fixture)")
-        for key, value in REAL_PAIR_ENGINE_DEFAULTS.items():
-            engine_overrides.setdefault(key, value)
-    elif target is None or needs_draft:
-        from vllm_specx.fixtures import fixture_model_dirs
-
-        try:
-            fx_target, fx_draft = fixture_model_dirs()
-        except FileNotFoundError as exc:
-            return _fail(f"{exc} (or pass --target and --draft)")
-        target = target or fx_target
-        draft = draft or fx_draft
-
-    try:
-        if args.prompts is not None:
-            prompt_set = read_jsonl(args.prompts, args.num_prompts)
-        elif pair == "real":
-            from vllm_specx.real_pair import HELDOUT_PROMPTS
-
-            prompt_set = read_jsonl(HELDOUT_PROMPTS, args.num_prompts or DEFAULT_NUM_PROMPTS)
-        else:
-            prompt_set = default_prompts(args.num_prompts or DEFAULT_NUM_PROMPTS)
-        configs = [with_default_draft(cfg, str(draft) if draft else None) for _, cfg in parsed]
-    except (OSError, ValueError) as exc:
-        return _fail(str(exc))
-    names = unique_names(
-        name or default_name(cfg, str(draft) if draft else None)
-        for (name, _), cfg in zip(parsed, configs)
-    )
 
     prepare_environment(args.verbose)
     from vllm_specx.bench.core import BenchOptions, run_benchmark
-    from vllm_specx.bench.report import markdown_table, write_plots
+    from vllm_specx.bench.engine_run import Sampling
 
     opts = BenchOptions(
         target=str(target),
@@ -238,8 +172,117 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine_overrides=engine_overrides,
     )
     report = run_benchmark(opts, log=_log)
+    _write_outputs(report, args.output, plots=not args.no_plots)
+    failed = [c["name"] for c in report["configs"] if "error" in c]
+    if failed:
+        _log(f"[bench] configurations that failed: {failed}")
+        return 1
+    return 0
 
-    out: Path = args.output
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the numeric arguments; ``--engine-args`` as a dict (with the seed)."""
+    if args.max_tokens < 1:
+        raise _BadArguments("--max-tokens must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise _BadArguments("--num-prompts must be >= 1")
+    if args.temperature < 0:
+        raise _BadArguments("--temperature must be >= 0")
+    try:
+        engine_overrides = json.loads(args.engine_args) if args.engine_args else {}
+    except json.JSONDecodeError as exc:
+        raise _BadArguments(f"--engine-args is not JSON: {exc.msg}") from None
+    if not isinstance(engine_overrides, dict):
+        raise _BadArguments("--engine-args must be a JSON object")
+    engine_overrides.setdefault("seed", args.seed)
+    return engine_overrides
+
+
+def _pair(args: argparse.Namespace) -> str:
+    pair = args.pair or os.environ.get(PAIR_ENV) or "real"
+    if pair not in PAIRS:
+        raise _BadArguments(f"{PAIR_ENV}={pair!r} is not a pair; allowed: {', '.join(PAIRS)}")
+    return pair
+
+
+def _parsed_configs(args: argparse.Namespace, pair: str) -> list[tuple[str | None, dict]]:
+    """(name or None, config) per ``--config``, else the pair's default configurations."""
+    from vllm_specx.bench.configs import default_configs, parse_config_arg
+
+    try:
+        parsed = [parse_config_arg(text) for text in (args.config or [])]
+    except ValueError as exc:
+        raise _BadArguments(str(exc)) from None
+    if args.config:
+        return parsed
+    if pair == "real":
+        k = args.num_speculative_tokens or REAL_PAIR_K
+        return [(None, {**cfg, "num_speculative_tokens": k}) for cfg in default_configs(k)]
+    return [(None, cfg) for cfg in default_configs(args.num_speculative_tokens or DEFAULT_K)]
+
+
+def _models(
+    args: argparse.Namespace, pair: str, parsed: list[tuple[str | None, dict]],
+    engine_overrides: dict[str, Any],
+) -> tuple[Any, Any]:
+    """The target and default draft directories: the arguments, else the pair's (the real
+    pair's target is fetched on first use and its engines get a larger KV cache)."""
+    target, draft = args.target, args.draft
+    needs_draft = draft is None and _any_needs_draft(parsed)
+    if pair == "real" and (target is None or needs_draft):
+        from vllm_specx import real_pair
+
+        try:
+            # The drafter first: it is a quick check, the target may mean a download.
+            draft = draft or (real_pair.draft_dir() if needs_draft else None)
+            target = target or real_pair.ensure_target(log=_log)
+        except real_pair.RealPairError as exc:
+            raise _BadArguments(f"{exc} (or pass --pair fixture)") from None
+        for key, value in REAL_PAIR_ENGINE_DEFAULTS.items():
+            engine_overrides.setdefault(key, value)
+    elif target is None or needs_draft:
+        from vllm_specx.fixtures import fixture_model_dirs
+
+        try:
+            fx_target, fx_draft = fixture_model_dirs()
+        except FileNotFoundError as exc:
+            raise _BadArguments(f"{exc} (or pass --target and --draft)") from None
+        target = target or fx_target
+        draft = draft or fx_draft
+    return target, draft
+
+
+def _prompts_and_configs(
+    args: argparse.Namespace, pair: str, parsed: list[tuple[str | None, dict]], draft: Any,
+) -> tuple[Any, list[str], list[dict[str, Any]]]:
+    """The prompt set, and each configuration's unique name and final dict (with the
+    default draft filled in where it needs one)."""
+    from vllm_specx.bench.configs import default_name, unique_names, with_default_draft
+    from vllm_specx.bench.prompts import default_prompts, read_jsonl
+
+    draft_path = str(draft) if draft else None
+    try:
+        if args.prompts is not None:
+            prompt_set = read_jsonl(args.prompts, args.num_prompts)
+        elif pair == "real":
+            from vllm_specx.real_pair import HELDOUT_PROMPTS
+
+            prompt_set = read_jsonl(HELDOUT_PROMPTS, args.num_prompts or DEFAULT_NUM_PROMPTS)
+        else:
+            prompt_set = default_prompts(args.num_prompts or DEFAULT_NUM_PROMPTS)
+        configs = [with_default_draft(cfg, draft_path) for _, cfg in parsed]
+    except (OSError, ValueError) as exc:
+        raise _BadArguments(str(exc)) from None
+    names = unique_names(
+        name or default_name(cfg, draft_path) for (name, _), cfg in zip(parsed, configs)
+    )
+    return prompt_set, names, configs
+
+
+def _write_outputs(report: dict[str, Any], out: Path, *, plots: bool) -> None:
+    """The JSON report, the markdown table (printed too, verdict first) and the plots."""
+    from vllm_specx.bench.report import markdown_table, write_plots
+
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     table = markdown_table(report)
@@ -247,15 +290,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     md_path = stem.with_name(stem.name + ".md")
     md_path.write_text(table, encoding="utf-8")
     written = [out, md_path]
-    if not args.no_plots:
+    if plots:
         written += write_plots(report, stem)
     print(table)
     _log("[bench] wrote " + ", ".join(str(p) for p in written))
-    failed = [c["name"] for c in report["configs"] if "error" in c]
-    if failed:
-        _log(f"[bench] configurations that failed: {failed}")
-        return 1
-    return 0
 
 
 def _any_needs_draft(parsed: list[tuple[str | None, dict[str, Any]]]) -> bool:

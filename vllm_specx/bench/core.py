@@ -237,6 +237,7 @@ def _entry(
         "num_speculative_tokens": k,
         "draft_model": (config or {}).get("model"),
         "vllm_method": run.resolved.get("vllm_method"),
+        "lossless": None if config is None else not _lossy(config),
         "platform": platform_desc,
     }
     entry.update(m)
@@ -373,6 +374,15 @@ def run_benchmark(opts: BenchOptions, log: Callable[[str], None] = print) -> dic
 
 def _f(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _lossy(cfg: dict[str, Any]) -> bool:
+    """A specx method that does not preserve the target's distribution (mtad); vLLM's
+    own methods verify by standard rejection sampling."""
+    from vllm_specx.methods import METHODS
+
+    spec = METHODS.get(str(cfg.get("method")))
+    return spec is not None and not spec.lossless
 
 
 def _is_specx(cfg: dict[str, Any]) -> bool:

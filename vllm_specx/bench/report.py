@@ -57,11 +57,73 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
 )
 
 
+def is_lossless(cfg: dict[str, Any]) -> bool:
+    """Whether a configuration's method preserves the target's distribution: the report's
+    own ``lossless`` field, else the specx method registry; vLLM's own methods verify by
+    standard rejection sampling."""
+    if isinstance(cfg.get("lossless"), bool):
+        return bool(cfg["lossless"])
+    from vllm_specx.methods import METHODS
+
+    spec = METHODS.get(str(cfg.get("method")))
+    return True if spec is None else bool(spec.lossless)
+
+
+def _speedup_phrase(cfg: dict[str, Any]) -> str:
+    return f"{cfg['name']} at {cfg['measured_speedup']:.2f}x"
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """One line that answers "should I speculate here?": the fastest configuration by wall
+    clock and its speed-up over no speculation, the fastest lossless one, and whether
+    greedy outputs equalled no speculation's."""
+    configs = report.get("configs", [])
+    base = next((c for c in configs if c.get("method") == "none"), None)
+    spec = [c for c in configs if c.get("method") not in (None, "none") and "error" not in c
+            and _num(c.get("measured_speedup")) is not None]
+    if not spec:
+        return "**verdict:** no speculative configuration finished with a wall-clock time"
+    fastest = max(spec, key=lambda c: c["measured_speedup"])
+    base_tps = _num((base or {}).get("tokens_per_s"))
+    base_text = f" ({base_tps:.1f} tok/s without)" if base_tps is not None else ""
+    if fastest["measured_speedup"] > 1.0:
+        first = f"fastest: {_speedup_phrase(fastest)} wall clock vs no speculation{base_text}"
+    else:
+        first = (f"fastest: no speculation{base_text}; best speculative: "
+                 f"{_speedup_phrase(fastest)}")
+    lossless = [c for c in spec if is_lossless(c)]
+    best_lossless = max(lossless, key=lambda c: c["measured_speedup"]) if lossless else None
+    if best_lossless is None:
+        second = "fastest lossless: none ran"
+    elif best_lossless is fastest:
+        second = "fastest lossless: the same"
+    else:
+        second = f"fastest lossless: {_speedup_phrase(best_lossless)}"
+    temperature = _num(report.get("sampling", {}).get("temperature"))
+    if temperature is None or temperature > 0:
+        third = "greedy output: not compared (sampled run; draws differ by design)"
+    else:
+        checked = [c for c in lossless if _num(c.get("matches_baseline")) is not None]
+        differ = [c["name"] for c in checked if c["matches_baseline"] < 1.0]
+        if not checked:
+            third = "greedy output: not compared (no baseline outputs)"
+        elif differ:
+            third = (f"greedy output DIFFERS from no speculation for {len(differ)} of "
+                     f"{len(checked)} lossless configurations ({', '.join(differ)})")
+        else:
+            third = (f"greedy output equals no speculation for all {len(checked)} lossless "
+                     "configurations")
+    return f"**verdict:** {first}; {second}; {third}"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
-    """The results as a markdown document: one row per configuration, then the context
-    needed to read it (platform, models, prompts, costs, formula)."""
+    """The results as a markdown document: the one-line verdict, one row per
+    configuration, then the context needed to read it (platform, models, prompts,
+    costs, formula)."""
     header = [h for h, _, _ in TABLE_COLUMNS] + ["acceptance per position"]
     lines = [
+        verdict(report),
+        "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
     ]
@@ -81,7 +143,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     notes = [
         "",
         f"- platform: {plat.get('description', '?')}; vLLM {versions.get('vllm')}, "
-        f"vllm-specx {versions.get('vllm_specx')}; {report.get('date', '')}",
+        f"vllm-specx {versions.get('vllm_specx')}; dtype "
+        f"{report.get('engine', {}).get('dtype', '?')}; {report.get('date', '')}",
         f"- target: {_model_line(models.get('target'))}; "
         f"default draft: {_model_line(models.get('draft'))}",
         f"- prompts: {prompts.get('count')} from {prompts.get('source')} "
