@@ -8,10 +8,12 @@ Runs one engine (the bench's ``run_config``: warm-up, then the timed generation)
         --config '{"method": "draft_model", "num_speculative_tokens": 2}'
     python benchmarks/profile_split.py --raw /tmp/prof.txt                  # split a saved profile
 
-Categories, first match wins along a sample's stack (outermost frame first): draft model
-(the drafter's ``propose``), attention (vllm-specx's reference attention ops and vLLM's
-CPU attention backend, inside either model), target model (the target's forward and
-``compute_logits``), sampler (``vllm/v1/sample``), scheduler (``vllm/v1/core``), rest.
+Categories: inside a model's ``forward``/``compute_logits`` (the drafter's when under its
+``propose``, else the target's): attention (vllm-specx's reference attention ops and
+vLLM's CPU attention backend), linear layers (vLLM's ``cpu_unquantized_gemm``), the rest
+of the model; the drafter's ``propose`` outside its model; the sampler
+(``vllm/v1/sample``), the scheduler (``vllm/v1/core``); the rest (input preparation,
+output processing, the bench's own loop).
 """
 
 from __future__ import annotations
@@ -36,19 +38,30 @@ def frames(stack: str) -> list[tuple[str, str]]:
     return out
 
 
+def _is(func: str, name: str) -> bool:
+    """py-spy names methods ``Class.method``."""
+    return func == name or func.endswith("." + name)
+
+
 def category(stack: list[tuple[str, str]]) -> str:
     in_draft = in_model = False
     for func, file in stack:
-        if (func == "propose" and "spec_decode" in file) or "proposer" in file:
+        if (_is(func, "propose") and "spec_decode" in file) or "proposer" in file:
             in_draft = True
-        if "cpu_ops/attention" in file or "attention/backends/cpu_attn" in file:
-            return "attention (draft)" if in_draft else "attention (target)"
-        if func in ("forward", "compute_logits") and "model_executor/models" in file:
+        if (_is(func, "forward") or _is(func, "compute_logits")) and (
+                "model_executor/models" in file):
             in_model = True
+        if not in_model:
+            continue
+        who = "draft" if in_draft else "target"
+        if "cpu_ops/attention" in file or "attention/backends/cpu_attn" in file:
+            return f"{who}: attention"
+        if _is(func, "cpu_unquantized_gemm") or "cpu_ops/linear" in file:
+            return f"{who}: linear layers"
     if in_draft:
-        return "draft model"
+        return "draft: rest of the model" if in_model else "draft: proposer (not the model)"
     if in_model:
-        return "target model (not attention)"
+        return "target: rest of the model"
     for _func, file in stack:
         if "vllm/v1/sample" in file:
             return "sampler"
