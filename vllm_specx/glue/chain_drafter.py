@@ -6,7 +6,7 @@ drafter (vLLM glue, checked on vLLM 0.32 V1).
 ``glue/mtp_proposer.py``) share; each is this round plus the few hooks where they differ,
 the way vLLM's ``draft_model.py`` and ``eagle.py`` are a few overrides over one base:
 
-* the round's **first pass** (``SpecxPasses._start_round``) gives ``q_1``; every request
+* the round's **first pass** (``SpecxPasses.propose``) gives ``q_1``; every request
   draws ``Y_1``;
 * at depth ``j`` (0..K_max-2) each live request holds ``Y_1..Y_{j+1}`` (the last one just
   drawn) and the stop rule (``algorithms/draft_stop.py``) says whether it goes on. Those
@@ -19,7 +19,7 @@ A stop keeps the token already drawn: it cost its draft forward already and may 
 accepted, so a request that drafts ``n`` tokens costs exactly ``n`` draft forwards (the
 first pass and ``n - 1`` lookahead passes), like a fixed-length draft of ``n``.
 
-``propose`` returns ``list[list[int]]`` (one list per request, of the length it drafted),
+The round returns ``list[list[int]]`` (one list per request, of the length it drafted),
 the ragged form vLLM's ngram proposer returns, so the scheduler receives exactly the
 drafted tokens and verification costs exactly the drafted positions (EMS-SD: nothing is
 padded to the longest draft; the method's spec turns async scheduling off).
@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
@@ -50,6 +49,7 @@ from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule
 from vllm_specx.glue.draft_passes import (
     LookaheadPasses,
+    RoundStart,
     SpecxPasses,
     load_acceptance_head,
     round_stop_rule,
@@ -151,31 +151,9 @@ class ChainDrafter(SpecxPasses):
 
     # -- the round ----------------------------------------------------------------------
 
-    def propose(  # type: ignore[override]
-        self,
-        num_speculative_tokens: int,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata: CommonAttentionMetadata,
-        sampling_metadata: SamplingMetadata,
-        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
-        num_rejected_tokens_gpu: torch.Tensor | None = None,
-        slot_mappings: Any = None,
+    def draft_round(
+        self, start: RoundStart, sampling_metadata: SamplingMetadata
     ) -> list[list[int]] | torch.Tensor:
-        start = self._start_round(
-            num_speculative_tokens,
-            target_token_ids=target_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            next_token_ids=next_token_ids,
-            token_indices_to_sample=token_indices_to_sample,
-            common_attn_metadata=common_attn_metadata,
-            mm_embed_inputs=mm_embed_inputs,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
         k_max, num_reqs = start.k, start.num_reqs
         if k_max == 0:
             # Same contract as vLLM's proposers: the pass above keeps the draft KV in sync.

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
@@ -99,7 +100,8 @@ class RoundStart:
 class SpecxPasses(SpecDecodeBaseProposer):
     """The passes every specx drafter runs, over any vLLM V1 proposer: vLLM's first pass
     and its forward call as separate steps, so a drafter can run the first pass and then
-    its own passes. Mix it in before the vLLM proposer class
+    its own passes: :meth:`propose` runs the first pass and hands the rest of the round to
+    the drafter's :meth:`draft_round`. Mix it in before the vLLM proposer class
     (``class P(SpecxPasses, DraftModelProposer)``); it uses only what vLLM's proposer base
     (``SpecDecodeBaseProposer``) has.
 
@@ -109,30 +111,65 @@ class SpecxPasses(SpecDecodeBaseProposer):
 
     settings: dict[str, Any]
 
-    def _start_round(
+    def propose(  # type: ignore[override]
         self,
         num_speculative_tokens: int,
-        *,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
         common_attn_metadata: CommonAttentionMetadata,
-        num_rejected_tokens_gpu: torch.Tensor | None,
-        **first_pass: Any,
-    ) -> RoundStart:
-        """The prologue of every specx ``propose``: record K, clear the last round's
-        draft probabilities, run the first pass. ``first_pass``: the rest of vLLM's
-        ``propose`` arguments that :meth:`_first_pass` takes."""
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> list[list[int]] | torch.Tensor:
+        """vLLM's V1 ``propose``: record K, clear the last round's draft probabilities,
+        run the round's first pass, then the drafter's own :meth:`draft_round`.
+
+        The first pass is the base class's (its ``propose`` fuses it with chain drafting,
+        so it is spelled out): the draft over the verified tokens + the new token of every
+        request, for the whole batch; it keeps the draft KV cache in sync."""
         k = int(num_speculative_tokens)
         self.num_speculative_tokens = k
         self._last_draft_probs = None
         num_reqs = common_attn_metadata.batch_size()
-        out, sample_positions, cad, first_tokens = self._first_pass(
-            common_attn_metadata=common_attn_metadata,
+        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-            **first_pass,
         )
+        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
+        padding = self._determine_batch_execution_and_padding(num_tokens)
+        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
+            num_tokens, padding[1], mm_embed_inputs
+        )
+        out = self._draft_forward(
+            per_layer_attn_metadata,
+            num_tokens,
+            padding,
+            self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
+            model_kwargs,
+        )
+        sample_positions = self.positions[token_indices_to_sample].clone()
         base_seq_lens = cad.seq_lens
         if num_rejected_tokens_gpu is not None:
             base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
-        return RoundStart(k, num_reqs, out, sample_positions, cad, first_tokens, base_seq_lens)
+        start = RoundStart(k, num_reqs, out[token_indices_to_sample], sample_positions, cad,
+                           int(num_tokens), base_seq_lens)
+        return self.draft_round(start, sampling_metadata)
+
+    def draft_round(
+        self, start: RoundStart, sampling_metadata: SamplingMetadata
+    ) -> list[list[int]] | torch.Tensor:
+        """The drafter's round after the first pass: ``[R, K]`` drafts, or one list per
+        request when they are ragged (K = 0: ``start.no_drafts()``)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no round")
 
     def _draft_forward(
         self,
@@ -156,50 +193,12 @@ class SpecxPasses(SpecDecodeBaseProposer):
             cudagraph_runtime_mode=cudagraph_runtime_mode,
             slot_mapping=slot_mapping,
         ):
-            return self.model(**model_kwargs)
+            return self.run_model(model_kwargs, num_input_tokens)
 
-    def _first_pass(
-        self,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata: CommonAttentionMetadata,
-        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None,
-        num_rejected_tokens_gpu: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, int]:
-        """Run the draft over the verified tokens + the new token of every request (the
-        base class's ``propose`` fuses this with chain drafting, so it is spelled out).
-
-        Returns (the draft's output at each request's new token [R, ...], its position P
-        [R], the extended attention metadata, tokens fed).
-        """
-        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
-        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
-        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = (
-            self._determine_batch_execution_and_padding(num_tokens)
-        )
-        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(
-            num_tokens, num_input_tokens, mm_embed_inputs
-        )
-        hidden_states = self._draft_forward(
-            per_layer_attn_metadata,
-            num_tokens,
-            (cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp),
-            self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
-            model_kwargs,
-        )
-        sample_positions = self.positions[token_indices_to_sample].clone()
-        return hidden_states[token_indices_to_sample], sample_positions, cad, int(num_tokens)
+    def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:
+        """The draft model's call in one pass (inside vLLM's forward context): what a
+        drafter whose model takes more inputs, or returns more, overrides."""
+        return self.model(**model_kwargs)
 
 
 class SpecxDraftModelProposer(SpecxPasses, DraftModelProposer):

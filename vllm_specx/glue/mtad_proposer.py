@@ -1,12 +1,14 @@
 """MTAD drafting inside vLLM: beam search of width B and depth K in the draft model.
 
 ``MTADProposer`` is vLLM's ``DraftModelProposer`` (checked on vLLM 0.32.0, V1 model
-runner) with a different ``propose``: instead of one chain of K tokens it runs, for every
-request of the batch, the beam search of ``vllm_specx.algorithms.beam_draft`` and returns
-the best beam's K tokens, ``[num_reqs, K]`` like the base class. The chosen beam's
-per-token draft probabilities ``q_j`` are left for ``take_last_draft_probs()`` as a
-``[num_reqs, K]`` float32 tensor; the runner slices ``[row, :num_draft]`` per request and
-concatenates them into the 1-D ``[T]`` tensor the specx sampler's MTAD rule reads.
+runner) with a different round (``draft_round``, after the first pass that the specx
+proposers share: ``glue/draft_passes.SpecxPasses``): instead of one chain of K tokens it
+runs, for every request of the batch, the beam search of
+``vllm_specx.algorithms.beam_draft`` and returns the best beam's K tokens,
+``[num_reqs, K]`` like the base class. The chosen beam's per-token draft probabilities
+``q_j`` are left for ``take_last_draft_probs()`` as a ``[num_reqs, K]`` float32 tensor;
+the runner slices ``[row, :num_draft]`` per request and concatenates them into the 1-D
+``[T]`` tensor the specx sampler's MTAD rule reads.
 
 Draft passes: K per round, for every B
 --------------------------------------
@@ -84,7 +86,7 @@ from vllm_specx.algorithms.beam_tails import (
     tail_feed_start,
 )
 from vllm_specx.glue.beam_kv import BeamKVSlots
-from vllm_specx.glue.draft_passes import LookaheadPasses, SpecxDraftModelProposer
+from vllm_specx.glue.draft_passes import LookaheadPasses, RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import GREEDY_DRAFTING
 
@@ -213,34 +215,12 @@ class MTADProposer(SpecxDraftModelProposer):
         )
 
     # ----------------------------------------------------------------------------------
-    # propose
+    # the round after the first pass
     # ----------------------------------------------------------------------------------
 
-    def propose(  # type: ignore[override]
-        self,
-        num_speculative_tokens: int,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata: CommonAttentionMetadata,
-        sampling_metadata: SamplingMetadata,
-        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
-        num_rejected_tokens_gpu: torch.Tensor | None = None,
-        slot_mappings: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
+    def draft_round(  # type: ignore[override]
+        self, start: RoundStart, sampling_metadata: SamplingMetadata
     ) -> torch.Tensor:
-        start = self._start_round(
-            num_speculative_tokens,
-            target_token_ids=target_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            next_token_ids=next_token_ids,
-            token_indices_to_sample=token_indices_to_sample,
-            common_attn_metadata=common_attn_metadata,
-            mm_embed_inputs=mm_embed_inputs,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
         k, num_reqs = start.k, start.num_reqs
         cad, sample_positions = start.cad, start.sample_positions
         base_seq_lens = start.base_seq_lens

@@ -72,7 +72,7 @@ class MtpProposer(ChainDrafter, EagleProposer):
         return True
 
     def read_pass(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out`` is ``[pre-norm | post-norm]`` (see :meth:`_draft_forward`): the LM head
+        """``out`` is ``[pre-norm | post-norm]`` (see :meth:`run_model`): the LM head
         reads the first half, the next step and the acceptance head the second."""
         width = out.shape[-1] // 2
         return out[:, :width], out[:, width:]
@@ -80,21 +80,12 @@ class MtpProposer(ChainDrafter, EagleProposer):
     def feed_hidden(self, hidden: torch.Tensor) -> None:
         self.hidden_states[: hidden.shape[0]] = hidden
 
-    def _draft_forward(
-        self,
-        per_layer_attn_metadata: Any,
-        num_tokens: int,
-        padding: tuple[Any, int, Any],
-        slot_mapping: Any,
-        model_kwargs: dict[str, Any],
-    ) -> torch.Tensor:
+    def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:
         """One MTP forward. The lookahead passes build draft-model inputs; the MTP layer
         also reads the hidden-state buffer (:meth:`feed_hidden` fills it before each
         pass). Returns ``[pre-norm | post-norm]`` concatenated on the last dim, so the
         shared passes can slice rows of both at once."""
-        model_kwargs.setdefault("hidden_states", self.hidden_states[: padding[1]])
-        out = super()._draft_forward(
-            per_layer_attn_metadata, num_tokens, padding, slot_mapping, model_kwargs
-        )
+        model_kwargs.setdefault("hidden_states", self.hidden_states[:num_input_tokens])
+        out = super().run_model(model_kwargs, num_input_tokens)
         pre, post = out if self.model_returns_tuple() else (out, out)
         return torch.cat([pre, post], dim=-1)
