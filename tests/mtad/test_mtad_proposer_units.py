@@ -48,8 +48,9 @@ def test_unsupported_setups_are_refused_with_reasons():
     MTADProposer._refuse_unsupported(fake_proposer(), parallel())  # supported: no error
     # A draft with another tokenizer is supported (test_mtad_hetero_vocab.py).
     MTADProposer._refuse_unsupported(fake_proposer(use_heterogeneous_vocab=True), parallel())
-    with pytest.raises(NotImplementedError, match="data parallelism"):
-        MTADProposer._refuse_unsupported(fake_proposer(), parallel(dp=2))
+    # Data parallelism is decided before start (glue/parallelism.py, tests/parallel): a
+    # dense target's DP ranks are independent engines, so the drafter has nothing to refuse.
+    MTADProposer._refuse_unsupported(fake_proposer(), parallel(dp=2))
     with pytest.raises(NotImplementedError, match="parallel drafting"):
         MTADProposer._refuse_unsupported(fake_proposer(parallel_drafting=True), parallel())
 

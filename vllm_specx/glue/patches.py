@@ -21,6 +21,7 @@ from vllm_specx.config import (
 )
 from vllm_specx.envflags import env_flag
 from vllm_specx.glue.beam_kv import BeamScratchReservation
+from vllm_specx.glue.parallelism import parallelism_refusal
 from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.methods import METHODS
 
@@ -153,6 +154,10 @@ class SpeculativeConfigTranslation(VllmPatch):
             method = result.specx_settings["method"]
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings)
+            refusal = parallelism_refusal(method, result.vllm_speculative_config,
+                                          target_model_config, target_parallel_config)
+            if refusal is not None:  # README "Scaling out": what runs under TP/DP/PP
+                raise refusal
             if METHODS[method].ragged_drafts:
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.

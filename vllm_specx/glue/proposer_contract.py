@@ -51,14 +51,14 @@ def refuse_unsupported_options(
     ``drafting`` names the drafter in the message (e.g. "adaptive drafting");
     ``extra_reasons`` are the drafter's own, listed after the ones no specx drafter
     supports: parallel drafting (all positions in one pass, where specx drafters feed
-    token by token), data parallelism (each draft pass's batch depends on the requests
-    still drafting, which ranks would have to agree on) and M-RoPE models.
+    token by token) and M-RoPE models. Parallel layouts are decided before the engine
+    starts (``glue/parallelism.py``): a drafter never sees ``data_parallel_size > 1``
+    (vLLM runs each DP rank of a dense target as its own engine with DP = 1; a MoE
+    target under DP is refused there).
     """
     reasons = []
     if proposer.parallel_drafting:
         reasons.append("parallel drafting drafts all positions in one pass")
-    if vllm_config.parallel_config.data_parallel_size > 1:
-        reasons.append("data parallelism: ranks would have to agree on each pass's batch")
     if proposer.uses_mrope:
         reasons.append("M-RoPE models")
     reasons.extend(extra_reasons)
