@@ -4,7 +4,11 @@
 # and K=$K), mtad (K=$K, B=2) and adaptive (K=$K) on the held-out prompts
 # (vllm_specx/prompts/real_heldout.jsonl), T=0 and T=1, batch 1 and 8.
 # Usage: bash benchmarks/run_real_pair.sh [OUT_DIR]   (default: bench-out/real_pair)
-# Env:   K (default 2), DRAFT (default: the shipped drafter), NUM_PROMPTS (8), MAX_TOKENS (32)
+# Env:   K (default 2), DRAFT (default: the shipped drafter), NUM_PROMPTS (8), MAX_TOKENS (32),
+#        BATCHES ("1 8"), TEMPERATURES ("0 1")
+# The engines run in the bench's default dtype (vllm_specx.engine.default_dtype: bfloat16 on
+# a CPU with native bfloat16); the load average before and after each run goes to
+# $OUT/load.txt, since wall-clock numbers on a shared machine mean little without it.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 OUT="$(realpath -m "${1:-bench-out/real_pair}")"
@@ -16,9 +20,11 @@ CFGS=(--config '{"method":"draft_model","num_speculative_tokens":1,"name":"draft
       --config "{\"method\":\"draft_model\",\"num_speculative_tokens\":$K,\"name\":\"draft_model K=$K\"}"
       --config "{\"method\":\"mtad\",\"num_speculative_tokens\":$K,\"num_beams\":2,\"name\":\"mtad K=$K B=2\"}"
       --config "{\"method\":\"adaptive\",\"num_speculative_tokens\":$K,\"name\":\"adaptive K=$K\"}")
-for B in 1 8; do for T in 0 1; do
+for B in ${BATCHES:-1 8}; do for T in ${TEMPERATURES:-0 1}; do
+  echo "b=$B T=$T start $(date -u +%H:%M:%S) $(uptime)" | tee -a "$OUT/load.txt"
   vllm-specx bench --pair real ${DRAFT_ARGS[@]+"${DRAFT_ARGS[@]}"} --temperature "$T" \
     --ignore-eos --no-plots --num-prompts "${NUM_PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-32}" \
     --engine-args "{\"max_num_seqs\": $B, \"kv_cache_memory_bytes\": 268435456}" \
     -o "$OUT/real_T${T}_b${B}.json" "${CFGS[@]}"
+  echo "b=$B T=$T end   $(date -u +%H:%M:%S) $(uptime)" | tee -a "$OUT/load.txt"
 done; done
