@@ -25,7 +25,7 @@ vLLM's ``tests/conftest.py`` imports ``tblib``: that one package is installed in
 venv when missing.
 
 Usage: bash scripts/upstream_vllm_tests.sh [--subset full|fast]
-       [--keep DIR] [-- extra pytest args]
+       [--keep DIR] [--compare DIR] [-- extra pytest args]
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ HUB_PATTERNS = re.compile(
         r"Temporary failure in name resolution", r"Max retries exceeded",
         r"Cannot find the requested files in the (?:disk )?cache",
         r"Invalid repository ID or local directory specified",
+        r"Cannot find any model weights with",
     ])
 )
 
@@ -221,15 +222,7 @@ def run_pass(mode: str, root: Path, paths: list[str], extra: list[str], out_dir:
     with open(out_dir / f"{mode}.log", "w", encoding="utf-8") as out:
         proc = subprocess.run(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.monotonic() - start
-    session: dict = {}
-    tests: dict[str, dict] = {}
-    if results.is_file():
-        for line in results.read_text(encoding="utf-8").splitlines():
-            rec = json.loads(line)
-            if rec.get("session"):
-                session = rec
-            else:
-                tests[rec["nodeid"]] = rec
+    tests, session = load_results(results)
     if not session:
         tail = "\n".join((out_dir / f"{mode}.log").read_text().splitlines()[-20:])
         raise SystemExit(f"[upstream-vllm] the '{mode}' pass did not start (pytest exit "
@@ -237,6 +230,20 @@ def run_pass(mode: str, root: Path, paths: list[str], extra: list[str], out_dir:
     log(f"{mode}: {len(tests)} results in {wall:.0f} s (pytest exit {proc.returncode}); "
         f"vllm-specx registered: {session['specx_registered']}")
     return tests, session, wall
+
+
+def load_results(path: Path) -> tuple[dict[str, dict], dict]:
+    """One pass's per-test records (the probe's JSON lines) and its session record."""
+    session: dict = {}
+    tests: dict[str, dict] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            if rec.get("session"):
+                session = rec
+            else:
+                tests[rec["nodeid"]] = rec
+    return tests, session
 
 
 def outcome_in(tests: dict[str, dict], nodeid: str) -> str:
@@ -250,7 +257,7 @@ def outcome_in(tests: dict[str, dict], nodeid: str) -> str:
 
 def compare(on: dict[str, dict], off: dict[str, dict]) -> int:
     ids = sorted(set(on) | set(off))
-    regressions, fixed, hub, both_fail = [], [], [], []
+    regressions, fixed, hub, both_fail, other = [], [], [], [], []
     for nodeid in ids:
         a, b = outcome_in(off, nodeid), outcome_in(on, nodeid)
         text = on.get(nodeid, {}).get("text", "") + off.get(nodeid, {}).get("text", "")
@@ -260,6 +267,8 @@ def compare(on: dict[str, dict], off: dict[str, dict]) -> int:
             fixed.append(nodeid)
         elif a in FAILED and b in FAILED:
             (hub if HUB_PATTERNS.search(text) else both_fail).append(nodeid)
+        elif a != b:
+            other.append(f"{nodeid}: {a} without vllm-specx, {b} with it")
 
     def tally(tests: dict[str, dict]) -> str:
         counts = Counter(outcome_in(tests, n) for n in ids)
@@ -272,6 +281,9 @@ def compare(on: dict[str, dict], off: dict[str, dict]) -> int:
     print(f"fails without the plugin too (other reasons, e.g. CUDA-only kernels): "
           f"{len(both_fail)}")
     print(f"passes only with the plugin (its CPU reference ops): {len(fixed)}")
+    print(f"other outcome changes (e.g. skipped one way): {len(other)}")
+    for line in other:
+        print(f"  {line}")
     print(f"pass off, fail on (regressions): {len(regressions)}")
     for nodeid in regressions:
         rec = on.get(nodeid, {})
@@ -292,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, default=None,
                         help="directory for the passes' logs and results (default: temporary)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    parser.add_argument("--compare", type=Path, default=None, metavar="DIR",
+                        help="only compare the results an earlier run left in DIR (--keep)")
     args = parser.parse_args(argv)
+    if args.compare:
+        return compare(load_results(args.compare / "on.jsonl")[0],
+                       load_results(args.compare / "off.jsonl")[0])
 
     import vllm
 
