@@ -9,7 +9,14 @@ must be a prefix of it). Afterwards the server must still be healthy with nothin
 and vLLM's spec-decode Prometheus counters must be consistent.
 
 Adding a method is one entry in ``LOAD_METHODS`` (its target: the fixture pair's, or the
-MTP fixture for ``specx_mtp``).
+MTP fixture for ``specx_mtp``; optionally extra ``vllm serve`` arguments).
+
+Data parallel: ``adaptive`` also runs under ``vllm serve --data-parallel-size 2`` (two
+engine cores, each with its own specx drafter; vLLM runs each DP rank of the dense fixture
+target as an independent engine); ``mtad`` likewise where ``VLLM_SPECX_SCALE_OUT_TESTS=1``
+(the CI matrix entry ``scale-out``: a DP server costs 80-200 s to start on 2 cores).
+``specx_mtp`` under DP is refused before start (the MTP fixture is a mixture-of-experts
+model to vLLM: tests/parallel/test_parallel_config.py).
 """
 
 from __future__ import annotations
@@ -39,21 +46,26 @@ DRAFT = "<fixture draft>"
 # MTP layer) for specx_mtp.
 PAIR, MTP = "pair", "mtp"
 
-# One entry per speculative method under load: (target, speculative config).
+SCALE_OUT = os.environ.get("VLLM_SPECX_SCALE_OUT_TESTS") == "1"
+# Two engine cores behind one API server (vLLM defaults to one API server per DP rank).
+DP2 = ("--data-parallel-size", "2", "--api-server-count", "1")
+ADAPTIVE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
+            "confidence_threshold": 0.5}
+MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}
+
+# One entry per speculative method under load: (target, speculative config[, extra
+# `vllm serve` arguments]).
 LOAD_METHODS = [
-    pytest.param(
-        (PAIR, {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}),
-        id="mtad",
-    ),
-    pytest.param(
-        (PAIR, {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
-                "confidence_threshold": 0.5}),
-        id="adaptive",
-    ),
+    pytest.param((PAIR, MTAD), id="mtad"),
+    pytest.param((PAIR, ADAPTIVE), id="adaptive"),
     pytest.param(
         (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True}),
         id="specx_mtp",
     ),
+    pytest.param((PAIR, ADAPTIVE, DP2), id="adaptive-dp2"),
+    pytest.param((PAIR, MTAD, DP2), id="mtad-dp2",
+                 marks=pytest.mark.skipif(not SCALE_OUT,
+                                          reason="set VLLM_SPECX_SCALE_OUT_TESTS=1")),
 ]
 
 NUM_REQUESTS = 64
@@ -296,6 +308,7 @@ def _reference_greedy(target: Path, prompts: list[str]) -> dict[int, list[int]]:
 class LoadRun:
     target: str
     spec: dict[str, Any]
+    data_parallel_size: int
     outcomes: list[Outcome]
     metrics: dict[str, float]
     health_after: int
@@ -306,12 +319,15 @@ class LoadRun:
 
 @pytest.fixture(scope="module", params=LOAD_METHODS)
 def load_run(request, tmp_path_factory, prompts) -> Iterator[LoadRun]:
-    target_name, entry = request.param
+    target_name, entry, *extra = request.param
+    extra_args = list(extra[0]) if extra else []
+    dp = int(extra_args[extra_args.index("--data-parallel-size") + 1]
+             if "--data-parallel-size" in extra_args else 1)
     _, draft = fixture_model_dirs()
     spec = {k: (str(draft) if v == DRAFT else v) for k, v in entry.items()}
-    log_path = tmp_path_factory.mktemp(f"load_{spec['method']}") / "serve.log"
+    log_path = tmp_path_factory.mktemp(f"load_{spec['method']}_dp{dp}") / "serve.log"
     server = _start_server(str(_target_dir(target_name)), log_path,
-                           ["--speculative-config", json.dumps(spec)])
+                           ["--speculative-config", json.dumps(spec), *extra_args])
     try:
         t0 = time.monotonic()
         _wait_healthy(server)
@@ -329,13 +345,13 @@ def load_run(request, tmp_path_factory, prompts) -> Iterator[LoadRun]:
                 break
             time.sleep(0.5)
         health = server.get("/health", timeout=10)[0]
-        print(f"[load] {spec['method']} server: start {started - t0:.1f} s, "
+        print(f"[load] {spec['method']} server (DP {dp}): start {started - t0:.1f} s, "
               f"{NUM_REQUESTS} requests {seconds:.1f} s, drained "
               f"{time.monotonic() - started - seconds:.1f} s later")
         print("[load] " + json.dumps({k: v for k, v in metrics.items()
                                       if "spec_decode" in k or "preempt" in k
                                       or "request_success" in k}))
-        yield LoadRun(target_name, spec, outcomes, metrics, health, server.proc.poll() is None,
+        yield LoadRun(target_name, spec, dp, outcomes, metrics, health, server.proc.poll() is None,
                       seconds, server.log_tail(20000))
     finally:
         _stop(server)
@@ -420,11 +436,11 @@ def test_spec_decode_counters_add_up(load_run):
     drafts = _sample(m, "vllm:spec_decode_num_drafts_total")
     drafted = _sample(m, "vllm:spec_decode_num_draft_tokens_total")
     accepted = _sample(m, "vllm:spec_decode_num_accepted_tokens_total")
-    per_pos = {
-        int(re.search(r'position="(\d+)"', key).group(1)): v
-        for key, v in m.items()
-        if key.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")
-    }
+    per_pos: dict[int, float] = {}  # summed over engines (one per data-parallel rank)
+    for key, v in m.items():
+        if key.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{"):
+            pos = int(re.search(r'position="(\d+)"', key).group(1))
+            per_pos[pos] = per_pos.get(pos, 0) + v
     assert drafts > 0 and accepted > 0
     assert drafted >= accepted and drafted <= k * drafts
     assert sorted(per_pos) == list(range(k))
@@ -432,3 +448,15 @@ def test_spec_decode_counters_add_up(load_run):
     # A token at position i is accepted only after positions 0..i-1 were.
     assert all(per_pos[i] >= per_pos[i + 1] for i in range(k - 1))
     assert per_pos[0] <= drafts
+
+
+@pytest.mark.engine
+def test_every_data_parallel_engine_drafted(load_run):
+    """Each engine core (one per DP rank, labelled ``engine``) built a specx drafter and
+    drafted: the requests were spread over all of them."""
+    drafting = {
+        re.search(r'engine="(\d+)"', key).group(1)
+        for key, v in load_run.metrics.items()
+        if key.startswith("vllm:spec_decode_num_drafts_total{") and v > 0
+    }
+    assert drafting == {str(i) for i in range(load_run.data_parallel_size)}
