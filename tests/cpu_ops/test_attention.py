@@ -252,3 +252,35 @@ class TestPagedAttention:
                 "vec",
                 kv_cache_dtype="fp8",
             )
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_a_query_row_does_not_depend_on_how_many_rows_are_verified(num_reqs):
+    # Greedy speculative decoding verifies K + 1 query rows where plain decoding runs one:
+    # the last row must come out bit for bit the same (bfloat16 would turn a last-bit
+    # difference into a different token now and then). One request takes the op's
+    # few-op path, several the padded one.
+    from vllm_specx.cpu_ops.attention import cpu_attention_with_kv_cache
+
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, seq_len, blocks_per_req = 9, 3, 100, 4
+    # float32 in and out: the op's own float32 arithmetic shows every last-bit change.
+    kv = torch.randn(num_reqs * blocks_per_req, num_kv_heads, 2 * BLOCK, HEAD, generator=gen)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    table = torch.arange(num_reqs * blocks_per_req, dtype=torch.int32).view(num_reqs, -1)
+    query = torch.randn(num_reqs * 9, num_heads, HEAD, generator=gen)
+
+    def last_rows(n: int) -> torch.Tensor:
+        # Each request verifies its last n query rows at positions seq_len - n ..
+        q = torch.cat([query[r * 9 + 9 - n: r * 9 + 9] for r in range(num_reqs)])
+        out = torch.empty_like(q)
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * n
+        cpu_attention_with_kv_cache(
+            q, key_cache, value_cache, out, qsl,
+            torch.full((num_reqs,), seq_len, dtype=torch.int32), HEAD**-0.5, True, None,
+            -1, table, 0.0, torch.zeros(1), None, None)
+        return out.view(num_reqs, n, num_heads, HEAD)[:, -1]
+
+    one = last_rows(1)
+    for n in (2, 3, 4, 5, 9):
+        assert torch.equal(last_rows(n), one), n

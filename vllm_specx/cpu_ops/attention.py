@@ -19,6 +19,12 @@ from __future__ import annotations
 
 import torch
 
+# Matrix products get at least this many rows (zero-padded): torch's CPU kernels (MKL,
+# oneDNN) pick another summation order below 4 rows, so a query row's result would depend
+# on how many rows share the call -- and greedy speculative decoding, which verifies K + 1
+# rows where plain decoding runs one, would drift from plain decoding in bfloat16.
+MIN_MATMUL_ROWS = 4
+
 # ISA hints vLLM's CPU backend may pass; the reference computes the same thing for all.
 KNOWN_ISA_HINTS = frozenset({"amx", "amx_fp8", "vec", "vec16", "neon", "vxe", "rvv", "vsx"})
 
@@ -206,8 +212,12 @@ def _attend_one_request(
     n, s = int(batch.q_lens[0]), batch.max_s
     first = int(batch.qsl[0])
     cdt = _compute_dtype(query.dtype)
-    # [n, kv_heads, group, head] -> [kv_heads, group, n, head]
+    rows = max(n, MIN_MATMUL_ROWS)
+    # [n, kv_heads, group, head] -> [kv_heads, group, rows, head], zero rows past n
     q = query[first:first + n].view(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    q = q.to(cdt)
+    if rows > n:
+        q = torch.cat((q, q.new_zeros(num_kv_heads, group, rows - n, head_size)), dim=2)
     n_blk = (s + block_size - 1) // block_size
     blocks = block_table[0, :n_blk].to(torch.int64)
 
@@ -216,12 +226,14 @@ def _attend_one_request(
         g = cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_size)
         return g[:, None, :s].to(cdt)
 
-    scores = torch.matmul(q.to(cdt), gather(key_cache).transpose(-1, -2)) * scale
+    scores = torch.matmul(q, gather(key_cache).transpose(-1, -2)) * scale
     if n > 1 and bool(batch.req_causal[0]):
-        # Query row i sits at position s - n + i and sees keys 0..s - n + i.
-        allowed = torch.ones(n, s, dtype=torch.bool).tril(diagonal=s - n)
+        # Query row i sits at position s - n + i and sees keys 0..s - n + i (padding
+        # rows see all: they are dropped below).
+        allowed = torch.ones(rows, s, dtype=torch.bool).tril(diagonal=s - n)
+        allowed[n:] = True
         scores = scores.masked_fill(~allowed, float("-inf"))
-    ctx = torch.matmul(torch.softmax(scores, dim=-1), gather(value_cache))
+    ctx = torch.matmul(torch.softmax(scores, dim=-1), gather(value_cache))[:, :, :n]
     out[first:first + n] = ctx.permute(2, 0, 1, 3).reshape(n, num_heads, head_size).to(out.dtype)
 
 
@@ -241,15 +253,17 @@ def _attend_padded(
     """Any batch: pad queries and keys to the longest request, mask, softmax, scatter."""
     num_kv_heads = key_cache.shape[1]
     cdt = _compute_dtype(query.dtype)
-    q_pad, req_of_token, row_of_token = _padded_queries(query, batch, num_kv_heads, cdt)
+    group = query.shape[1] // num_kv_heads
+    # The products below have group * rows rows per (request, kv head).
+    rows = max(batch.max_q, -(-MIN_MATMUL_ROWS // group))
+    q_pad, req_of_token, row_of_token = _padded_queries(query, batch, num_kv_heads, cdt, rows)
     k_all, v_all = _gathered_kv(key_cache, value_cache, batch, block_table, cdt)
     # scores: [reqs, kv_heads, group, max_q, max_s]
     scores = torch.einsum("rqhgd,rhsd->rhgqs", q_pad, k_all) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    allowed, dist = _allowed_keys(batch, window)
+    allowed, dist = _allowed_keys(batch, window, rows)
     if alibi_slopes is not None:
-        group = q_pad.shape[3]
         slopes = alibi_slopes.to(cdt).view(num_kv_heads, group)
         scores = scores + slopes[None, :, :, None, None] * (-dist.to(cdt))[:, None, None]
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
@@ -259,23 +273,23 @@ def _attend_padded(
     probs = torch.where(allowed.any(dim=-1)[:, None, None, :, None], probs, 0.0)
     ctx = torch.einsum("rhgqs,rhsd->rqhgd", probs, v_all)
     num_heads, head_size = query.shape[1], query.shape[2]
-    ctx = ctx.reshape(batch.num_reqs, batch.max_q, num_heads, head_size)
+    ctx = ctx.reshape(batch.num_reqs, rows, num_heads, head_size)
     out[: req_of_token.shape[0]] = ctx[req_of_token, row_of_token].to(out.dtype)
 
 
 def _padded_queries(
-    query: torch.Tensor, batch: _Batch, num_kv_heads: int, cdt: torch.dtype
+    query: torch.Tensor, batch: _Batch, num_kv_heads: int, cdt: torch.dtype, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries padded to ``[reqs, max_q, kv_heads, group, head]``, and which request
-    and row each query token is."""
+    """Queries padded to ``[reqs, rows, kv_heads, group, head]`` (``rows >= max_q``),
+    and which request and row each query token is."""
     _, num_heads, head_size = query.shape
     req_of_token = torch.repeat_interleave(torch.arange(batch.num_reqs), batch.q_lens)
     n_q = req_of_token.shape[0]
     row_of_token = torch.arange(n_q) - batch.qsl[:-1][req_of_token]
-    q_pad = query.new_zeros((batch.num_reqs, batch.max_q, num_heads, head_size), dtype=cdt)
+    q_pad = query.new_zeros((batch.num_reqs, rows, num_heads, head_size), dtype=cdt)
     q_pad[req_of_token, row_of_token] = query[:n_q].to(cdt)
     group = num_heads // num_kv_heads
-    q_pad = q_pad.view(batch.num_reqs, batch.max_q, num_kv_heads, group, head_size)
+    q_pad = q_pad.view(batch.num_reqs, rows, num_kv_heads, group, head_size)
     return q_pad, req_of_token, row_of_token
 
 
@@ -303,11 +317,12 @@ def _gathered_kv(
     return k_all, v_all
 
 
-def _allowed_keys(batch: _Batch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which key each (request, query row) may see, ``[reqs, max_q, max_s]``, and the
-    distance ``p - k`` between query position and key position."""
+def _allowed_keys(batch: _Batch, window: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which key each (request, query row) may see, ``[reqs, num_rows, max_s]`` (rows
+    past a request's queries see nothing), and the distance ``p - k`` between query
+    position and key position."""
     q_lens, s_lens, req_causal = batch.q_lens, batch.s_lens, batch.req_causal
-    rows = torch.arange(batch.max_q)
+    rows = torch.arange(num_rows)
     keys = torch.arange(batch.max_s)
     # Query position per (request, row): [reqs, max_q].
     q_pos = torch.where(

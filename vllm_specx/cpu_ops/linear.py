@@ -15,10 +15,13 @@ what torch.compile's CPU backend uses): bfloat16 20 ms for 1 row and 17-18 ms fo
 rows; float32 38 / 45 / 32 ms. The patch below gives that linear to every 2-D
 unquantized layer whose dtype oneDNN packs here, keeps vLLM's choice otherwise, and
 drops the original weight when vLLM would (``remove_weight``), as vLLM's own oneDNN path
-does. bfloat16 results are bit-identical to ``F.linear`` (torch's bfloat16 ``F.linear``
-is oneDNN's, unpacked); float32 ones differ in the last bits (another summation order),
-like any change of BLAS kernel. ``VLLM_SPECX_CPU_PLAIN_LINEAR=1`` keeps vLLM's own choice
-(read when the model loads; for comparisons).
+does. Calls of fewer than :data:`MIN_ROWS` rows are zero-padded to it, so that a row's
+result does not depend on how many rows share the call (greedy speculation must match
+plain decoding bit for bit). bfloat16 results from 4 rows up are bit-identical to
+``F.linear`` (torch's bfloat16 ``F.linear`` is oneDNN's, unpacked); float32 ones differ
+in the last bits (another summation order), like any change of BLAS kernel.
+``VLLM_SPECX_CPU_PLAIN_LINEAR=1`` keeps vLLM's own choice (read when the model loads;
+for comparisons).
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger and handle
 # The dtypes the patch packs (oneDNN packs float16 only on CPUs with AVX-NE-CONVERT or
 # AVX512-FP16; vLLM's F.linear fallback is kept for it and every other dtype).
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
+# Products get at least this many rows (zero-padded; one row is no cheaper than four):
+# below 4 rows oneDNN picks another kernel, whose summation order differs for some shapes
+# (SmolLM2's down projection, 1536 inputs), so a row's result would depend on how many
+# rows share the call -- and greedy speculation, which verifies K + 1 rows where plain
+# decoding runs one, would drift from plain decoding in bfloat16. From 4 rows up (checked
+# for 1-64 rows on SmolLM2's shapes) each row's result is the same whatever the count.
+MIN_ROWS = 4
 # Set to an on value to keep vLLM's own linear (the F.linear fallback), e.g. to measure.
 PLAIN_LINEAR_ENV = "VLLM_SPECX_CPU_PLAIN_LINEAR"
 
@@ -58,7 +68,13 @@ def packed_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     ) -> torch.Tensor:
         # ``weight`` is the layer's (possibly emptied) parameter, unused: vLLM's
         # ``cpu_unquantized_gemm`` passes it to every backend.
-        return linear_pointwise(x, packed, bias, "none", [], "")
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows == 0 or rows >= MIN_ROWS:
+            return linear_pointwise(x, packed, bias, "none", [], "")
+        flat = x.reshape(rows, x.shape[-1])
+        flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])))
+        out = linear_pointwise(flat, packed, bias, "none", [], "")[:rows]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return cpu_linear
 
