@@ -23,8 +23,8 @@ from vllm_specx.methods import (
     COMMON_KNOBS,
     CONFLICTING_VLLM_KEYS,
     METHODS,
-    MTP_ALIAS_TRIGGERS,
     PASSTHROUGH_VLLM_KEYS,
+    VLLM_ALIASES,
     CheckContext,
     MethodSpec,
     knob_owners,
@@ -130,8 +130,9 @@ def resolve_method(config: Mapping[str, Any], vllm_methods: Collection[str]) -> 
         )
     if method in METHODS:
         return method
-    if method == "mtp" and any(k in MTP_ALIAS_TRIGGERS for k in config):
-        return "specx_mtp"
+    alias = VLLM_ALIASES.get(method)
+    if alias is not None and any(k in alias[1] for k in config):
+        return alias[0]  # e.g. {"method": "eagle3", "adaptive": true} -> specx_eagle3
     if specx_keys:
         owners = knob_owners(specx_keys[0])
         raise _bad(

@@ -86,8 +86,9 @@ CrossCheck = Callable[[CheckContext], "Refusal | None"]
 # ``Class(vllm_config, device, runner)``; the runner hook then sets its ``settings``).
 ProposerFactory = Callable[[], type]
 # Returns a check run when the engine is configured (``EngineArgs.create_speculative_config``),
-# where vLLM's model config is known: ``check(target_model_config, settings)`` raises
-# ``SpecxConfigError`` in one line (e.g. specx_mtp needs a target with MTP layers).
+# where vLLM's model config is known: ``check(target_model_config, settings, draft_model)``
+# raises ``SpecxConfigError`` in one line (e.g. specx_mtp needs a target with MTP layers; an
+# EAGLE head must fit the target's hidden size and vocabulary).
 EngineCheckFactory = Callable[[], Callable[[Any, Mapping[str, Any]], None]]
 
 
@@ -143,6 +144,11 @@ class MethodSpec:
     # (:func:`beam_positions_fit_device`), and the engine reserves KV scratch blocks for
     # the B - 1 beams beyond a request's own slots (glue/beam_kv.py).
     beam_width_knob: str | None = None
+    # vLLM's own method name that, given one of this method's knobs, is read as this
+    # method (``{"method": "mtp", "adaptive": true}`` is ``specx_mtp``): without the
+    # plugin that dict would be an error, and without such a knob vLLM's method is
+    # untouched.
+    vllm_alias: str | None = None
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
@@ -237,6 +243,15 @@ MTP_ADAPTIVE = Knob(
     "adaptive", "bool", False, "true or false",
     "stop MTP drafting per request with the adaptive stop rule",
 )
+EAGLE_ADAPTIVE = Knob(
+    "adaptive", "bool", False, "true or false",
+    "stop the EAGLE head's drafting per request with the adaptive stop rule",
+)
+EAGLE_CONFIDENCE_THRESHOLD = replace(
+    CONFIDENCE_THRESHOLD,
+    help="training-free policy: stop when the EAGLE head's own probability of its draft "
+    "falls under this",
+)
 
 
 # -- cross-knob checks ------------------------------------------------------------------
@@ -298,6 +313,34 @@ def _requires_adaptive(knob: Knob) -> Knob:
     return Knob(
         knob.name, knob.kind, knob.default, knob.allowed, knob.help, knob.check,
         requires=("adaptive", True),
+    )
+
+
+def _eagle_head_spec(name: str, vllm_method: str, what: str) -> MethodSpec:
+    """``specx_eagle`` / ``specx_eagle3``: vLLM's EAGLE drafting over a head (``model``),
+    verified by the specx sampler, optionally with the adaptive stop; one proposer for
+    both (and for ``specx_mtp``): the chain drafter over vLLM's ``EagleProposer``."""
+    return MethodSpec(
+        name=name,
+        vllm_method=vllm_method,
+        summary=f"{what} over the target's hidden states (vLLM's '{vllm_method}'), "
+        "verified by the specx sampler, optionally with the adaptive stop",
+        lossless=True,
+        needs_draft_model=True,
+        default_num_speculative_tokens=8,  # adaptive's: the stop picks each length
+        knobs=(
+            EAGLE_ADAPTIVE,
+            *(_requires_adaptive(k) for k in (
+                MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
+                EAGLE_CONFIDENCE_THRESHOLD,
+            )),
+        ),
+        checks=(min_tokens_within_k, acceptance_head_fits_draft),
+        proposer=named("vllm_specx.glue.eagle_chain_proposer:EagleChainProposer"),
+        available=True,
+        ragged_drafts=True,  # the adaptive stop drafts per-request lengths
+        engine_checks=(named("vllm_specx.glue.patches:require_eagle_head_fits_target"),),
+        vllm_alias=vllm_method,
     )
 
 
@@ -365,14 +408,24 @@ METHODS: dict[str, MethodSpec] = {
                 ),
             ),
             engine_checks=(named("vllm_specx.glue.patches:require_mtp_layers"),),
+            vllm_alias="mtp",
         ),
+        _eagle_head_spec("specx_eagle", "eagle", "an EAGLE head (one decoder layer)"),
+        _eagle_head_spec("specx_eagle3", "eagle3",
+                         "an EAGLE-3 head (one decoder layer over three target layers)"),
     )
 }
 
-# vLLM's own `mtp` keeps its name and meaning. The specx MTP method is `specx_mtp`;
-# `{"method": "mtp", "adaptive": ...}` (vLLM's name plus a knob only specx has) is
-# read as `specx_mtp` too, because without the plugin that dict would be an error.
-MTP_ALIAS_TRIGGERS = frozenset(k.name for k in METHODS["specx_mtp"].knobs)
+# vLLM's own `mtp`, `eagle` and `eagle3` keep their names and meanings. The specx
+# methods over them are `specx_mtp`, `specx_eagle`, `specx_eagle3`; vLLM's name plus a knob
+# only specx has (`{"method": "eagle3", "adaptive": true}`) is read as the specx method too,
+# because without the plugin that dict would be an error: vLLM method -> (specx method,
+# the knobs that select it).
+VLLM_ALIASES: dict[str, tuple[str, frozenset[str]]] = {
+    spec.vllm_alias: (spec.name, frozenset(k.name for k in spec.knobs if not k.vllm_field))
+    for spec in METHODS.values() if spec.vllm_alias is not None
+}
+MTP_ALIAS_TRIGGERS = VLLM_ALIASES["mtp"][1]
 
 COMMON_KNOBS: tuple[str, ...] = ("method", "model", "num_speculative_tokens")
 

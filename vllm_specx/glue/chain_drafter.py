@@ -121,7 +121,8 @@ class ChainDrafter(SpecxPasses):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        dtype = next(self.model.parameters()).dtype
+        # The first floating-point parameter: an EAGLE-3 head's first is its int64 d2t map.
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         self.head = load_acceptance_head(self.settings, self.device, dtype)
 
     def specx_stats(self) -> dict[str, Any]:

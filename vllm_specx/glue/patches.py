@@ -27,8 +27,8 @@ from vllm_specx.methods import METHODS
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
-__all__ = ["ALL_PATCHES", "apply_all", "require_mtp_layers", "specx_settings",
-           "vllm_method_names", "vllm_speculative_fields"]
+__all__ = ["ALL_PATCHES", "apply_all", "require_eagle_head_fits_target", "require_mtp_layers",
+           "specx_settings", "vllm_method_names", "vllm_speculative_fields"]
 
 
 def vllm_method_names() -> list[str]:
@@ -54,7 +54,8 @@ def vllm_speculative_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
-def require_mtp_layers(target_model_config: Any, settings: dict[str, Any] | None = None) -> None:
+def require_mtp_layers(target_model_config: Any, settings: dict[str, Any] | None = None,
+                       draft_model: str | None = None) -> None:
     """Refuse ``specx_mtp`` for a target without multi-token-prediction layers, in one line;
     and an ``acceptance_head`` that does not fit the MTP layer's hidden state (the
     target's hidden size: there is no draft model to check it against earlier).
@@ -91,6 +92,59 @@ def require_mtp_layers(target_model_config: Any, settings: dict[str, Any] | None
         "multi-token-prediction layers (config.json num_nextn_predict_layers >= 1, as in "
         "DeepSeek-V3 or MiMo); for a target without them use 'adaptive' with a draft model."
     )
+
+
+def eagle_head_problem(head_config: dict[str, Any], base_method: str,
+                       target_model_config: Any) -> str | None:
+    """Why an EAGLE / EAGLE-3 head's ``config.json`` does not fit the target, or None.
+
+    vLLM itself would start and then fail inside the engine with a shape error: ``fc`` over
+    the auxiliary hidden states of the wrong width, logits over another vocabulary than
+    the target's sampler, or auxiliary layers the target does not have."""
+    target = target_model_config.hf_config
+    target_hidden = getattr(target, "hidden_size", None)
+    target_vocab = target_model_config.get_vocab_size()
+    key = "target_hidden_size" if base_method == "eagle3" else "hidden_size"
+    head_hidden = head_config.get(key, head_config.get("hidden_size"))
+    if target_hidden is not None and head_hidden != target_hidden:
+        return (f"the head's {key} {head_hidden} does not fit the target's hidden size "
+                f"{target_hidden}; use a head trained for this target")
+    vocab = head_config.get("vocab_size")
+    if vocab != target_vocab:
+        return (f"the head's vocab_size {vocab} does not fit the target's vocabulary of "
+                f"{target_vocab} tokens; use a head trained for this target")
+    if base_method != "eagle3":
+        return None
+    draft_vocab = head_config.get("draft_vocab_size") or vocab
+    if not 1 <= draft_vocab <= target_vocab:
+        return (f"the head's draft_vocab_size {draft_vocab} must be between 1 and the "
+                f"target's vocabulary of {target_vocab} tokens")
+    eagle_config = head_config.get("eagle_config") or {}
+    layer_ids = (head_config.get("eagle_aux_hidden_state_layer_ids")
+                 or eagle_config.get("eagle_aux_hidden_state_layer_ids") or [])
+    n_layers = target_model_config.get_total_num_hidden_layers()
+    outside = [i for i in layer_ids if not 0 <= i < n_layers]
+    if outside:
+        return (f"the head reads auxiliary hidden states of layers {list(layer_ids)}, but the "
+                f"target has layers 0..{n_layers - 1}")
+    return None
+
+
+def require_eagle_head_fits_target(target_model_config: Any, settings: dict[str, Any],
+                                   draft_model: str | None = None) -> None:
+    """Refuse, in one line before the engine starts, an EAGLE / EAGLE-3 head (a local
+    directory) whose hidden size, vocabulary or auxiliary layers do not fit the target.
+    A hub id is left to vLLM, which fetches it later."""
+    import json
+    from pathlib import Path
+
+    if not draft_model or not (Path(draft_model).expanduser() / "config.json").is_file():
+        return
+    method = settings["method"]
+    head_config = json.loads((Path(draft_model).expanduser() / "config.json").read_text())
+    problem = eagle_head_problem(head_config, METHODS[method].vllm_method, target_model_config)
+    if problem is not None:
+        raise refusal_error("model", draft_model, problem, method)
 
 
 class SpeculativeConfigTranslation(VllmPatch):
@@ -153,7 +207,8 @@ class SpeculativeConfigTranslation(VllmPatch):
                 )
             method = result.specx_settings["method"]
             for engine_check in METHODS[method].engine_checks:
-                engine_check()(target_model_config, result.specx_settings)
+                engine_check()(target_model_config, result.specx_settings,
+                               result.vllm_speculative_config.get("model"))
             refusal = parallelism_refusal(method, result.vllm_speculative_config,
                                           target_model_config, target_parallel_config)
             if refusal is not None:  # README "Scaling out": what runs under TP/DP/PP

@@ -298,13 +298,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),
                 "logprobs of verified tokens, computed exactly as vLLM does"),
-    # --- the specx_mtp drafter (a subclass of vLLM's EAGLE-style proposer) -----------
+    # --- the specx_mtp / specx_eagle(3) drafter (a subclass of vLLM's EagleProposer) ---
     PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "hidden_states",
-                "instance attribute", ("vllm_specx/glue/mtp_proposer.py",),
-                "the MTP layer's hidden-state input buffer, filled before each lookahead pass"),
+                "instance attribute", ("vllm_specx/glue/eagle_chain_proposer.py",),
+                "the draft's hidden-state input buffer, filled before each lookahead pass"),
     PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "model_returns_tuple", "attribute",
-                ("vllm_specx/glue/mtp_proposer.py",),
-                "whether the MTP model returns (pre-norm, post-norm) hidden states"),
+                ("vllm_specx/glue/eagle_chain_proposer.py",),
+                "whether the draft returns (LM-head input, fed-back hidden state)"),
+    PrivateName("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
+                "combine_hidden_states", "attribute",
+                ("vllm_specx/glue/eagle_chain_proposer.py",),
+                "the EAGLE-3 head's fc over the target's auxiliary hidden states, applied "
+                "before the first pass as vLLM's propose does"),
     # --- the runner hook ------------------------------------------------------------------
     PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "drafter",
                 "instance attribute", ("vllm_specx/glue/runner_hook.py",),

@@ -1,0 +1,272 @@
+"""EAGLE-3 in the real vLLM CPU engine on the fixture target, with the test head of
+``scripts/build_eagle3_fixture.py``.
+
+Three engines: no speculation (the reference outputs), vLLM's own ``eagle3`` (must stay
+vLLM's: its drafter and sampler, output equal to no speculation), and ONE
+``{"method": "eagle3", "adaptive": true}`` engine (read as ``specx_eagle3``: the chain
+drafter over vLLM's ``EagleProposer`` with the specx sampler) that runs every scenario
+with chunked prefill (a 150-token prompt in 64-token chunks), prefix caching (a repeated
+batch) and a KV cache small enough that the scheduler preempts. The engine is configured
+with a seeded untrained ``acceptance_head`` on the EAGLE head's hidden state (loaded by the
+drafter at start; exactness cannot depend on its quality), used for one scenario; then the
+same drafter switches to the default training-free confidence rule for the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from engine_requests import (
+    counter,
+    generate,
+    greedy,
+    mixed,
+    output_ids,
+    run_counting_preemptions,
+)
+
+pytestmark = pytest.mark.engine
+
+K = 4
+NEW_TOKENS = 24
+# Fixture KV: (4 target layers + the head's layer) x K and V x 2 KV heads x 64 x 4 bytes
+# = 5 KiB per token, so 2 MiB holds about 400 tokens: the "many" batch (8 x (24 + 64))
+# does not fit at once and the scheduler preempts.
+ENGINE_KW: dict[str, Any] = dict(
+    max_model_len=256,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,  # the 150-token prompt is prefilled in 3 chunks
+    enable_prefix_caching=True,
+    kv_cache_memory_bytes=2 * 2**20,
+    skip_tokenizer_init=True,
+    disable_log_stats=False,
+)
+N_STAT = 400
+STAT_TOP_K = 3
+COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+            "vllm:spec_decode_num_drafts")
+
+
+@dataclass
+class Recorder:
+    """Wraps the drafter's ``propose`` to record each round's per-request draft lengths."""
+
+    runner: Any
+    rounds: list[list[int]] = field(default_factory=list)
+
+    def install(self) -> None:
+        original = self.runner.drafter.propose
+
+        def propose(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self.rounds.append([len(d) for d in out])
+            return out
+
+        self.runner.drafter.propose = propose
+
+
+def _prompts(target: str) -> dict[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    from vllm_specx.fixtures import heldout_prompts
+
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = heldout_prompts(12)
+    enc = [tok(t)["input_ids"][:48] for t in texts]
+    return {
+        "ragged": [enc[0][:5], enc[1][:33], enc[2][:48], enc[3][:17]],
+        "long": [tok("\n".join(texts[:4]))["input_ids"][:150], enc[4][:40], enc[5][:40]],
+        "short": [e[:12] for e in enc[6:10]],
+        "many": [e[:24] for e in enc[:8]],
+        # A prompt whose 2nd token the test head drafts within the target's top 3 about
+        # 70% of the time (both verification outcomes happen).
+        "stat": [enc[4][:6]],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(target: str, eagle3_head: str,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_specx.algorithms.acceptance_head import AcceptanceHead, save_head
+    from vllm_specx.engine import make_llm, running_llm, shutdown_llm
+
+    prompts = _prompts(target)
+    out: dict[str, Any] = {"prompts": prompts}
+    with running_llm(target, **ENGINE_KW) as llm:
+        out["plain_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["plain_long"] = output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS)))
+        out["plain_short"] = output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS)))
+        out["plain_many"] = output_ids(generate(llm, prompts["many"], greedy(64)))
+
+    vllm_spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K}
+    with running_llm(target, speculative_config=vllm_spec, **ENGINE_KW) as llm:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        config = llm.llm_engine.vllm_config
+        out["vllm_components"] = (type(runner.drafter).__module__,
+                                  type(runner.drafter).__name__,
+                                  type(runner.rejection_sampler).__name__)
+        out["vllm_additional_config"] = dict(config.additional_config or {})
+        out["vllm_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["vllm_drafted"] = counter(llm, COUNTERS[0])
+
+    torch.manual_seed(0)
+    head_dir = save_head(AcceptanceHead(256, num_blocks=1),  # the fixture's hidden size
+                         tmp_path_factory.mktemp("acceptance_head"))
+    spec = {**vllm_spec, "adaptive": True, "acceptance_head": str(head_dir)}
+    llm = make_llm(target, speculative_config=spec, **ENGINE_KW)
+    try:
+        config = llm.llm_engine.vllm_config
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        out["method"] = (config.speculative_config.method,
+                         config.additional_config["specx"]["method"])
+        out["components"] = (type(runner.drafter).__name__,
+                             type(runner.rejection_sampler).__name__)
+        out["chunked"] = config.scheduler_config.enable_chunked_prefill
+        out["async_scheduling"] = config.scheduler_config.async_scheduling
+        out["aux_layers"] = runner.use_aux_hidden_state_outputs
+        rec = Recorder(runner)
+        rec.install()
+        drafter = runner.drafter
+
+        def counted(name: str, fn: Any) -> Any:
+            before = [counter(llm, k) for k in COUNTERS]
+            rec.rounds.clear()
+            result = fn()
+            after = [counter(llm, k) for k in COUNTERS]
+            out[name + "_counts"] = dict(drafted=after[0] - before[0],
+                                         accepted=after[1] - before[1],
+                                         drafts=after[2] - before[2])
+            out[name + "_rounds"] = [list(r) for r in rec.rounds]
+            return result
+
+        out["head_stop_rule"] = type(drafter.stop_rule(K)).__name__
+        out["head_ragged"] = counted(
+            "head_ragged",
+            lambda: output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS))))
+        # The default stop from here on: the confidence rule.
+        drafter.settings.pop("acceptance_head")
+        drafter.head = None
+        out["confidence_stop_rule"] = type(drafter.stop_rule(K)).__name__
+        out["ragged"] = counted(
+            "ragged", lambda: output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS))))
+        out["long"] = counted(
+            "long", lambda: output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS))))
+        hits = counter(llm, "vllm:prefix_cache_hits")
+        out["long_again"] = counted(
+            "long_again",
+            lambda: output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS))))
+        out["prefix_hits"] = counter(llm, "vllm:prefix_cache_hits") - hits
+        out["mixed"] = output_ids(generate(llm, prompts["short"], mixed(NEW_TOKENS)))
+        out["mixed_again"] = output_ids(generate(llm, prompts["short"], mixed(NEW_TOKENS)))
+        params = [SamplingParams(temperature=1.0, top_k=STAT_TOP_K, seed=i, max_tokens=2)
+                  for i in range(N_STAT)]
+        out["stat"] = counted("stat", lambda: [
+            tuple(x) for x in output_ids(generate(llm, prompts["stat"] * N_STAT, params))])
+        out["many"], out["preemptions"] = run_counting_preemptions(
+            llm, lambda: output_ids(generate(llm, prompts["many"], greedy(64))))
+        out["stats"] = runner.drafter.specx_stats()
+    finally:
+        shutdown_llm(llm)
+    return out
+
+
+def test_vllm_eagle3_with_the_head_stays_vllm_and_equals_no_speculation(runs):
+    module, drafter, sampler = runs["vllm_components"]
+    assert (module, drafter) == ("vllm.v1.spec_decode.eagle", "EagleProposer")
+    assert sampler == "RejectionSampler"
+    assert "specx" not in runs["vllm_additional_config"]
+    assert runs["vllm_drafted"] > 0
+    assert runs["vllm_ragged"] == runs["plain_ragged"]
+
+
+def test_eagle3_adaptive_runs_the_specx_drafter_over_vllm_eagle3(runs):
+    assert runs["method"] == ("eagle3", "specx_eagle3")
+    assert runs["components"] == ("EagleChainProposer", "SpecxRejectionSampler")
+    assert runs["aux_layers"] is True  # the target hands the head its auxiliary states
+    assert runs["async_scheduling"] is False  # ragged drafts reach the scheduler
+    assert runs["chunked"] is True
+
+
+def test_greedy_equals_no_speculation_with_chunked_prefill_and_prefix_caching(runs):
+    assert runs["ragged"] == runs["plain_ragged"]
+    assert runs["long"] == runs["plain_long"]
+    assert runs["long_again"] == runs["plain_long"]
+    assert runs["prefix_hits"] > 0
+    c = runs["ragged_counts"]
+    assert 0 < c["accepted"] < c["drafted"]  # the head is right sometimes, not always
+
+
+def test_the_confidence_stop_drafts_ragged_lengths(runs):
+    assert runs["confidence_stop_rule"] == "ConfidenceStop"
+    rounds = runs["ragged_rounds"] + runs["long_rounds"]
+    lengths = [n for r in rounds for n in r]
+    assert all(1 <= n <= K for n in lengths)
+    assert len(set(lengths)) > 1
+    assert any(len(set(r)) > 1 for r in rounds if len(r) > 1)  # one batch, several lengths
+    s = runs["stats"]
+    assert s["drafted_tokens"] == s["scheduled_tokens"] > 0
+    assert 0 < s["lookahead_rows"] < s["padded_lookahead_rows"]  # the batch shrinks
+
+
+def test_acceptance_head_stop_keeps_greedy_output(runs):
+    assert runs["head_stop_rule"] == "HeadStop"  # loaded at start from the config
+    assert runs["head_ragged"] == runs["plain_ragged"]
+    assert runs["head_ragged_counts"]["drafted"] > 0
+
+
+def test_preemption_keeps_greedy_output(runs):
+    assert runs["preemptions"] > 0
+    for i, (got, want) in enumerate(zip(runs["many"], runs["plain_many"])):
+        assert got == want, (i, got, want)
+
+
+def test_mixed_batch_greedy_rows_exact_and_seeds_reproduce(runs):
+    for i in (0, 2):
+        assert runs["mixed"][i] == runs["plain_short"][i]
+    assert runs["mixed"] == runs["mixed_again"]
+
+
+def _exact_two_token_distribution(target: str, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """p(t1, t2 | prompt) of the target at temperature 1, top-k STAT_TOP_K, enumerated
+    with the Hugging Face model (9 sequences)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def top(ctx: list[int]) -> list[tuple[int, float]]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx])).logits[0, -1].float()
+        vals, idx = logits.topk(STAT_TOP_K)
+        return list(zip(idx.tolist(), vals.softmax(-1).tolist()))
+
+    return {(a, b): pa * pb for a, pa in top(prompt) for b, pb in top(prompt + [a])}
+
+
+def test_sampled_output_is_distributed_as_the_target(runs, target):
+    """Chi-square of the engine's seeded 2-token samples against the target's exact
+    distribution: one-hot EAGLE-3 drafts, verified by accept-with-p(x) and the residual
+    p without x. Both verification outcomes must have happened."""
+    from scipy.stats import chisquare
+
+    c = runs["stat_counts"]
+    assert 0 < c["accepted"] < c["drafted"]
+    dist = _exact_two_token_distribution(target, runs["prompts"]["stat"][0])
+    samples = runs["stat"]
+    assert set(samples) <= set(dist)
+    counts = {k: 0 for k in dist}
+    for s in samples:
+        counts[s] += 1
+    big = [k for k in dist if dist[k] * len(samples) >= 5]
+    small = [k for k in dist if k not in big]
+    observed = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
+    expected = [dist[k] * len(samples) for k in big] + (
+        [sum(dist[k] for k in small) * len(samples)] if small else [])
+    scale = sum(observed) / sum(expected)
+    _, p_value = chisquare(observed, [e * scale for e in expected])
+    assert p_value > 1e-3, (p_value, observed, expected)
