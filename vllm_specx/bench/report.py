@@ -161,8 +161,9 @@ def markdown_table(report: dict[str, Any]) -> str:
     ]
     if plat.get("device_type") == "cpu":
         notes.append(
-            "- wall-clock numbers on the CPU reference backend measure Python overhead more "
-            "than model work; compare configurations by the rates and the projected speed-up"
+            "- wall-clock numbers on the CPU reference backend move with the machine's load; "
+            "compare configurations by the rates, the CPU-time speed-up and the projected "
+            "speed-up"
         )
     return "\n".join(lines + notes) + "\n"
 
