@@ -5,6 +5,9 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 # These tables are the fixture pair's (`vllm-specx bench` defaults to the real pair).
 export VLLM_SPECX_BENCH_PAIR=fixture
+# They were measured in float32 (the engines' default before bfloat16 became the default on
+# CPUs with native bfloat16); set VLLM_SPECX_CPU_DTYPE to measure another dtype.
+export VLLM_SPECX_CPU_DTYPE="${VLLM_SPECX_CPU_DTYPE:-float32}"
 OUT="$(realpath -m "${1:-bench-out/readme}")"
 mkdir -p "$OUT"
 DM='{"method":"draft_model","num_speculative_tokens":%s,"name":"draft_model K=%s"}'
