@@ -152,7 +152,7 @@ def head_weights(config: dict[str, Any], target: Path = TARGET,
     width = min(hidden, embedding.shape[1])
     lm_head[:, :width] = embedding[draft_ids, :width]
     target_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-    fits = hidden == embedding.shape[1] and all(
+    fits = hidden == target_hidden == embedding.shape[1] and all(
         0 <= i < target_layers for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     # A head that does not fit the target (the refusal tests): the shapes only.
     fc = fit_fc(target, config, embedding) if fits else randn(

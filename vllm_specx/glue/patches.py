@@ -98,9 +98,10 @@ def eagle_head_problem(head_config: dict[str, Any], base_method: str,
                        target_model_config: Any) -> str | None:
     """Why an EAGLE / EAGLE-3 head's ``config.json`` does not fit the target, or None.
 
-    vLLM itself would start and then fail inside the engine with a shape error: ``fc`` over
-    the auxiliary hidden states of the wrong width, logits over another vocabulary than
-    the target's sampler, or auxiliary layers the target does not have."""
+    vLLM's own ``eagle3`` checks none of this: ``fc`` over auxiliary hidden states of
+    another width fails inside the engine (on CPU a oneDNN "could not create a primitive
+    descriptor" error), auxiliary layers the target does not have leave ``fc`` short of
+    inputs, and a head for another vocabulary runs, drafting another tokenizer's ids."""
     target = target_model_config.hf_config
     target_hidden = getattr(target, "hidden_size", None)
     target_vocab = target_model_config.get_vocab_size()
