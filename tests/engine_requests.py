@@ -1,10 +1,11 @@
 """Requests and read-outs shared by the engine tests of the speculative methods
-(``tests/adaptive``, ``tests/mtp``): token-id prompts in, output ids back in request order,
-greedy and mixed sampling parameters, vLLM's counters."""
+(``tests/adaptive``, ``tests/mtp``, ``tests/eagle``): token-id prompts in, output ids back
+in request order, greedy and mixed sampling parameters, vLLM's counters, draft rounds."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -64,3 +65,25 @@ def run_counting_preemptions(llm: Any, run: Callable[[], T]) -> tuple[T, int]:
         return run(), count
     finally:
         sched._preempt_request = original
+
+
+@dataclass
+class DraftRoundRecorder:
+    """Wraps the drafter's ``propose`` to record, per round, each request's draft length
+    and the ids of the requests drafted for (in the runner's batch order)."""
+
+    runner: Any
+    rounds: list[list[int]] = field(default_factory=list)
+    req_ids: list[list[str]] = field(default_factory=list)
+
+    def install(self) -> None:
+        drafter = self.runner.drafter
+        original = drafter.propose
+
+        def propose(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self.rounds.append([len(d) for d in out])
+            self.req_ids.append(list(self.runner.input_batch.req_ids[: len(out)]))
+            return out
+
+        drafter.propose = propose

@@ -14,11 +14,11 @@ same drafter switches to the default training-free confidence rule for the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from engine_requests import (
+    DraftRoundRecorder,
     counter,
     generate,
     greedy,
@@ -47,24 +47,6 @@ N_STAT = 400
 STAT_TOP_K = 3
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
             "vllm:spec_decode_num_drafts")
-
-
-@dataclass
-class Recorder:
-    """Wraps the drafter's ``propose`` to record each round's per-request draft lengths."""
-
-    runner: Any
-    rounds: list[list[int]] = field(default_factory=list)
-
-    def install(self) -> None:
-        original = self.runner.drafter.propose
-
-        def propose(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.rounds.append([len(d) for d in out])
-            return out
-
-        self.runner.drafter.propose = propose
 
 
 def _prompts(target: str) -> dict[str, list[list[int]]]:
@@ -129,7 +111,7 @@ def runs(target: str, eagle3_head: str,
         out["chunked"] = config.scheduler_config.enable_chunked_prefill
         out["async_scheduling"] = config.scheduler_config.async_scheduling
         out["aux_layers"] = runner.use_aux_hidden_state_outputs
-        rec = Recorder(runner)
+        rec = DraftRoundRecorder(runner)
         rec.install()
         drafter = runner.drafter
 

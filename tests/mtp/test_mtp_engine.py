@@ -12,11 +12,11 @@ attention in ``test_mtp_engine_plain_attention.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from engine_requests import (
+    DraftRoundRecorder,
     counter,
     generate,
     greedy,
@@ -49,25 +49,6 @@ SPEC: dict[str, Any] = {
 }
 N_STAT = 500
 STAT_TOP_K = 3
-
-
-@dataclass
-class Recorder:
-    runner: Any
-    rounds: list[list[int]] = field(default_factory=list)
-    req_ids: list[list[str]] = field(default_factory=list)
-
-    def install(self) -> None:
-        drafter = self.runner.drafter
-        original = drafter.propose
-
-        def propose(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.rounds.append([len(d) for d in out])
-            self.req_ids.append(list(self.runner.input_batch.req_ids[: len(out)]))
-            return out
-
-        drafter.propose = propose
 
 
 def _prompts() -> dict[str, list[list[int]]]:
@@ -113,7 +94,7 @@ def runs() -> dict[str, Any]:
         out["async_scheduling"] = config.scheduler_config.async_scheduling
         out["attention"] = sorted({type(m.impl).__name__ for m in runner.drafter.model.modules()
                                    if hasattr(m, "impl")})
-        rec = Recorder(runner)
+        rec = DraftRoundRecorder(runner)
         rec.install()
 
         def counted(name: str, fn: Any) -> Any:
