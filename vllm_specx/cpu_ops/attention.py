@@ -219,12 +219,11 @@ def _attend_one_request(
     if rows > n:
         q = torch.cat((q, q.new_zeros(num_kv_heads, group, rows - n, head_size)), dim=2)
     n_blk = (s + block_size - 1) // block_size
-    blocks = block_table[0, :n_blk].to(torch.int64)
+    blocks = block_table[:1, :n_blk].to(torch.int64)
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        # [n_blk, kv_heads, block, head] -> [kv_heads, 1, s, head]
-        g = cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_size)
-        return g[:, None, :s].to(cdt)
+        # [1, kv_heads, s, head] -> [kv_heads, 1, s, head]
+        return _gather_blocks(cache, blocks, s, cdt).transpose(0, 1)
 
     scores = torch.matmul(q, gather(key_cache).transpose(-1, -2)) * scale
     if n > 1 and bool(batch.req_causal[0]):
@@ -299,22 +298,29 @@ def _gathered_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's keys/values through its block table, as ``[reqs, kv_heads, max_s,
     head]``, zero past each request's length."""
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_blocks, _, block_size, _ = key_cache.shape
     num_reqs, max_s = batch.num_reqs, batch.max_s
     n_blk = (max_s + block_size - 1) // block_size
     blk_ids = block_table[:num_reqs, :n_blk].to(torch.int64).clamp(0, num_blocks - 1)
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        g = cache[blk_ids]  # [reqs, n_blk, kv_heads, block, head]
-        g = g.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, n_blk * block_size, -1)
-        return g[:, :, :max_s].to(cdt)
-
     # Slots past a request's length hold whatever an earlier request left (or block 0
     # for unused table entries); zero them so 0-weight * stale-NaN cannot leak in.
     key_valid = torch.arange(max_s)[None, :] < batch.s_lens[:, None]  # [reqs, max_s]
-    k_all = gather(key_cache).masked_fill(~key_valid[:, None, :, None], 0.0)
-    v_all = gather(value_cache).masked_fill(~key_valid[:, None, :, None], 0.0)
-    return k_all, v_all
+    k_all = _gather_blocks(key_cache, blk_ids, max_s, cdt)
+    v_all = _gather_blocks(value_cache, blk_ids, max_s, cdt)
+    return (k_all.masked_fill(~key_valid[:, None, :, None], 0.0),
+            v_all.masked_fill(~key_valid[:, None, :, None], 0.0))
+
+
+def _gather_blocks(
+    cache: torch.Tensor, blk_ids: torch.Tensor, length: int, cdt: torch.dtype
+) -> torch.Tensor:
+    """The first ``length`` slots of each request's blocks ``blk_ids`` ``[reqs, n_blk]``
+    from a ``[blocks, kv_heads, block, head]`` cache, as ``[reqs, kv_heads, length, head]``."""
+    num_reqs, n_blk = blk_ids.shape
+    _, num_kv_heads, block_size, head_size = cache.shape
+    g = cache[blk_ids]  # [reqs, n_blk, kv_heads, block, head]
+    g = g.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, n_blk * block_size, head_size)
+    return g[:, :, :length].to(cdt)
 
 
 def _allowed_keys(batch: _Batch, window: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
