@@ -149,6 +149,15 @@ class MethodSpec:
     # plugin that dict would be an error, and without such a knob vLLM's method is
     # untouched.
     vllm_alias: str | None = None
+    # Model Runner V2 (vLLM's default since 0.29; V1 is deprecated upstream): True once
+    # the method's V2 speculator and the specx sampler on V2 pass the V2 tests
+    # (tests/v2). While False, ``specx_selects_v1_runner`` (glue/patches.py) adds the
+    # method to vLLM's list of features V2 does not support, so vLLM picks V1 and logs
+    # ``v1_reason``, and forcing V2 is refused at start with it.
+    runs_on_v2: bool = False
+    # One line: why the method still needs the V1 runner (logged, and named in the
+    # README's "Which model runner"). Ignored when ``runs_on_v2``.
+    v1_reason: str = "its drafter and sampler are hooked into the V1 runner only"
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)

@@ -201,12 +201,13 @@ class SpeculativeConfigTranslation(VllmPatch):
                     raise ValueError(
                         f"{flag} and --speculative-config['{key}'] are mutually exclusive"
                     )
-            if env_flag("VLLM_USE_V2_MODEL_RUNNER"):
-                raise SpecxConfigError(
-                    f'speculative_config["method"] = "{result.specx_settings["method"]}" runs '
-                    "on vLLM's V1 model runner only: unset VLLM_USE_V2_MODEL_RUNNER=1."
-                )
             method = result.specx_settings["method"]
+            if env_flag("VLLM_USE_V2_MODEL_RUNNER") and not METHODS[method].runs_on_v2:
+                raise SpecxConfigError(
+                    f'speculative_config["method"] = "{method}" runs on vLLM\'s V1 model '
+                    f"runner only ({METHODS[method].v1_reason}): unset "
+                    "VLLM_USE_V2_MODEL_RUNNER=1."
+                )
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings,
                                result.vllm_speculative_config.get("model"))
@@ -264,16 +265,21 @@ class SpecxOnV1Runner(VllmPatch):
     target = "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
     replaces = "VllmConfig._get_v2_model_runner_unsupported_features (the V2 opt-out list)"
     why = (
-        "specx hooks the V1 runner's drafter and rejection_sampler; adding specx to the "
-        "list makes vLLM itself pick V1 and log why"
+        "a specx method whose MethodSpec.runs_on_v2 is False is hooked into the V1 runner "
+        "only; adding it (with its v1_reason) to the list makes vLLM itself pick V1 and "
+        "log why. Methods that run on V2 are left to vLLM's own choice"
     )
 
     def wrap(self, original: Any) -> Any:
         def unsupported(self_: Any) -> list[str]:
             features = list(original(self_))
             settings = specx_settings(self_)
-            if settings:
-                features.append(f"vllm-specx speculative method '{settings['method']}'")
+            spec = METHODS.get(settings["method"]) if settings else None
+            if settings and (spec is None or not spec.runs_on_v2):
+                reason = spec.v1_reason if spec is not None else "unknown method"
+                features.append(
+                    f"vllm-specx speculative method '{settings['method']}' ({reason})"
+                )
             return features
 
         return unsupported
