@@ -58,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_bench_parser(sub)
 
-    from vllm_specx.training.cli import add_distill_parser, add_train_head_parser
+    from vllm_specx.training.cli import (
+        add_distill_eagle3_parser,
+        add_distill_parser,
+        add_train_head_parser,
+    )
 
     add_train_head_parser(sub)
 
@@ -66,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_fetch_target_parser(sub)
     add_distill_parser(sub)
+    add_distill_eagle3_parser(sub)
     return parser
 
 

@@ -373,3 +373,186 @@ def cmd_distill(args: argparse.Namespace) -> int:
             return refuse(f"vllm-specx {exc}")
         raise
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# vllm-specx distill-eagle3
+# --------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip()) if text.strip() else ()
+
+
+def add_distill_eagle3_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``distill-eagle3`` to the ``vllm-specx`` sub-commands."""
+    from vllm_specx.training.eagle3 import EAGLE3_STAGES, Eagle3Options
+
+    d = Eagle3Options()
+    p = subparsers.add_parser(
+        "distill-eagle3",
+        help="train an EAGLE-3 head for a Llama target (Li et al., 'EAGLE-3: Scaling up "
+        "Inference Acceleration of Large Language Models via Training-Time Test') that vLLM's "
+        "eagle3 method and specx_eagle3 load as it is",
+        description=(
+            "Train an EAGLE-3 head for TARGET: the target answers the prompts in vLLM at "
+            "several temperatures (the data stage of 'vllm-specx distill', shared: one work "
+            "directory serves both), the target is teacher-forced on those answers (and on "
+            "raw-text windows with --corpus) to cache its auxiliary and final hidden states, "
+            "a draft vocabulary is chosen from the target's greedy-token frequencies, and "
+            "one decoder layer is trained with the drafting steps unrolled exactly as vLLM "
+            "runs them (training-time test), against the target's distribution over the "
+            "draft vocabulary. Writes a head directory (config.json, model.safetensors) in "
+            "vLLM's eagle3 format and REPORT.json: vocabulary coverage, the training curve "
+            "(held-out agreement per drafting step against tokens and minutes) and the head "
+            "served by vLLM's eagle3 on the held-out prompts at each --report-k (block "
+            "efficiency, first-draft acceptance, greedy output against no speculation). "
+            "Stages are resumable, training from its last checkpoint. Deterministic for a "
+            "seed on one machine and thread count."
+        ),
+        epilog="example: vllm-specx distill-eagle3 --target fixtures/models/target --prompts "
+        "prompts.jsonl -o heads/my-eagle3 --steps 2000 --max-minutes 60",
+    )
+    p.add_argument("--target", type=Path, required=True,
+                   help="target model directory (a Llama model in Hugging Face format)")
+    p.add_argument("--prompts", type=Path, required=True, metavar="FILE.jsonl",
+                   help="prompts the target answers (as for 'distill'); a seeded "
+                   "--heldout-fraction of them is kept for the report")
+    p.add_argument("--corpus", type=Path, metavar="DIR_OR_FILE", action="append",
+                   help="raw text: --corpus-windows windows of it are added to the training "
+                   "rows (repeatable)")
+    p.add_argument("--corpus-windows", type=int, default=d.corpus_windows,
+                   help="raw-text windows of --seq-len tokens (default: %(default)s)")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="DIR",
+                   help="output head directory (created; REPORT.json is written into it)")
+    p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
+                   help="cached data, features and training checkpoints (default: DIR.work "
+                   "beside the output)")
+    p.add_argument("--restart", action="store_true",
+                   help="forget finished stages except the data and run them again")
+    p.add_argument("--stop-after", choices=EAGLE3_STAGES, default=None,
+                   help="stop after this stage (a later run with the same inputs resumes)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N prompts of --prompts (default: all)")
+    p.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    p.add_argument("--temperature", type=float, action="append", default=None,
+                   help="target sampling temperature of the data, repeatable (default: 0, "
+                   "0.3, 0.7, 1.0)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="tokens generated per answer (default: %(default)s)")
+    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help="fraction of the prompts held out (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help="tokens per training row (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help="draft vocabulary size (default: %(default)s; the target's whole "
+                   "vocabulary at most)")
+    p.add_argument("--aux-layers", type=_int_list, default=None, metavar="I,J,K",
+                   help="target layers whose inputs fc reads (default: vLLM's for Llama, "
+                   "2, L/2, L-3)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="MLP width of the head's layer (default: the target's)")
+    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps,
+                   help="drafting steps unrolled in training (default: %(default)s)")
+    p.add_argument("--ttt-decay", type=float, default=d.ttt_decay,
+                   help="loss weight of step s is decay^(s-1) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help="optimiser steps (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help="rows per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help="peak learning rate, AdamW, warm-up then cosine (default: %(default)s)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training after this many minutes even if --steps are not done "
+                   "(recorded in REPORT.json)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="held-out curve point and checkpoint every N steps "
+                   "(default: %(default)s)")
+    p.add_argument("--report-k", type=_int_list, default=d.report_k, metavar="K1,K2",
+                   help="num_speculative_tokens served in vLLM for the report; empty: no "
+                   "engine report (default: 1,2,3,4)")
+    p.add_argument("--report-max-tokens", type=int, default=d.report_max_tokens,
+                   help="tokens generated per held-out prompt in the report "
+                   "(default: %(default)s)")
+    p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"),
+                   default=d.save_dtype, help="default: %(default)s")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads; results depend on it (default: %(default)s)")
+    p.add_argument("--autocast", choices=("auto", "bf16", "off"), default=d.autocast,
+                   help="bf16 autocast of the training forward (default: %(default)s)")
+    p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
+                   help="extra vllm.LLM keyword arguments for the engines")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_distill_eagle3)
+
+    def one_line_error(message: str) -> None:
+        print(f"vllm-specx distill-eagle3: {message}; see vllm-specx distill-eagle3 --help",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+    p.error = one_line_error  # type: ignore[method-assign]
+    return p
+
+
+def cmd_distill_eagle3(args: argparse.Namespace) -> int:
+    from vllm_specx.training.distill import default_work_dir
+    from vllm_specx.training.eagle3 import Eagle3Job, Eagle3Options, distill_eagle3
+
+    def refuse(message: str) -> int:
+        print(message, file=sys.stderr)
+        return 2
+
+    if not (args.target / "config.json").is_file():
+        return refuse(f"vllm-specx distill-eagle3: --target {args.target}: not a model "
+                      "directory (no config.json); allowed: a local Hugging Face model directory")
+    cfg = json.loads((args.target / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("model_type") != "llama":
+        return refuse(f"vllm-specx distill-eagle3: --target {args.target}: model_type "
+                      f"{cfg.get('model_type')!r}; allowed: a Llama target (vLLM's eagle3 "
+                      "head is a Llama layer)")
+    layers = int(cfg.get("num_hidden_layers", 0))
+    if args.aux_layers is not None and (len(args.aux_layers) == 0 or any(
+            not 0 <= i < layers for i in args.aux_layers)):
+        return refuse(f"vllm-specx distill-eagle3: --aux-layers {list(args.aux_layers)}: "
+                      f"allowed: one or more layer indices in 0..{layers - 1}")
+    if not args.prompts.is_file():
+        return refuse(f"vllm-specx distill-eagle3: --prompts {args.prompts}: no such file; "
+                      "allowed: a JSONL prompt file")
+    for corpus in args.corpus or []:
+        if not corpus.exists():
+            return refuse(f"vllm-specx distill-eagle3: --corpus {corpus}: no such file or "
+                          "directory; allowed: a text file or a directory of text files")
+    engine_args, error = _engine_args_or_error("distill-eagle3", args.engine_args)
+    if error:
+        return refuse(error)
+    options = Eagle3Options(
+        seed=args.seed,
+        temperatures=tuple(args.temperature) if args.temperature else Eagle3Options().temperatures,
+        max_tokens=args.max_tokens, heldout_fraction=args.heldout_fraction,
+        seq_len=args.seq_len, corpus_windows=args.corpus_windows,
+        draft_vocab=args.draft_vocab,
+        aux_layer_ids=tuple(args.aux_layers) if args.aux_layers else None,
+        intermediate=args.intermediate, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
+        steps=args.steps, batch=args.batch, lr=args.lr, max_minutes=args.max_minutes,
+        eval_every=args.eval_every, report_k=tuple(args.report_k),
+        report_max_tokens=args.report_max_tokens, save_dtype=args.save_dtype,
+        threads=args.threads, autocast=args.autocast,
+    )
+    try:
+        options.check()
+    except ValueError as exc:
+        return refuse(f"vllm-specx {exc}")
+    work = args.work_dir or default_work_dir(args.output)
+    if args.restart:
+        for name in ("features", "vocab", "train"):
+            (work / f"eagle3_{name}.done.json").unlink(missing_ok=True)
+        (work / "eagle3_train_state.pt").unlink(missing_ok=True)
+        (args.output / "REPORT.json").unlink(missing_ok=True)
+    job = Eagle3Job(
+        target=args.target, prompts=args.prompts, out_dir=args.output, work_dir=work,
+        corpus=args.corpus, max_prompts=args.num_prompts, engine_args=engine_args,
+        command=" ".join(["vllm-specx", *map(shlex.quote, getattr(args, "argv", []))]),
+    )
+    distill_eagle3(job, options, progress=not args.no_progress, stop_after=args.stop_after)
+    return 0
