@@ -59,6 +59,8 @@ CONVERSION_VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent
 # The drafter for SmolLM2-135M-Instruct, built by `vllm-specx distill` (shipped as package data).
 DRAFT_DIR = PACKAGE_DIR / "models" / "smollm2_draft"
+# The EAGLE-3 head for the real target, package data too (scripts/build_smollm2_eagle3.sh).
+EAGLE3_DIR = PACKAGE_DIR / "models" / "smollm2_eagle3"
 # Held-out benchmark prompts (code, prose, instructions): never used for distillation.
 HELDOUT_PROMPTS = PACKAGE_DIR / "prompts" / "real_heldout.jsonl"
 # Prompts for distilling the drafter from the target (disjoint from the held-out set).
@@ -211,6 +213,12 @@ def draft_dir() -> Path:
             "pass --draft DIR (build one with `vllm-specx distill`)"
         )
     return DRAFT_DIR
+
+
+def eagle3_dir() -> Path | None:
+    """The shipped EAGLE-3 head for the real target (``vllm-specx distill-eagle3``), or None
+    when this install has none."""
+    return EAGLE3_DIR if (EAGLE3_DIR / "config.json").is_file() else None
 
 
 def add_fetch_target_parser(subparsers: Any) -> None:

@@ -89,9 +89,15 @@ def test_default_configs_are_vllm_methods_plus_available_specx():
 
     methods = [c["method"] for c in C.default_configs(3)]
     assert methods[:2] == ["ngram", "draft_model"]
-    expected = {n for n, s in METHODS.items() if s.available and s.needs_draft_model}
+    expected = {n for n, s in METHODS.items() if s.available and s.needs_draft_model
+                and s.vllm_method not in ("eagle", "eagle3")}
     assert set(methods[2:]) == expected
     assert C.default_configs(3)[1]["num_speculative_tokens"] == 3
+    # With a head (the real pair's shipped one): vLLM's eagle3 and specx_eagle3 on it.
+    with_head = C.default_configs(1, eagle3_head="/h", eagle3_k=3)
+    assert with_head[-2:] == [
+        {"method": "eagle3", "model": "/h", "num_speculative_tokens": 3},
+        {"method": "specx_eagle3", "model": "/h", "adaptive": True}]
 
 
 # --- prompts --------------------------------------------------------------------------

@@ -25,6 +25,8 @@ DEFAULT_K = 4
 # README's "Real pair" table (bfloat16, batch 1, T=0: 0.93-1.01 vs 0.86-0.95); a longer K
 # only adds rejected drafts.
 REAL_PAIR_K = 1
+# K of vLLM's eagle3 over the shipped EAGLE-3 head (vllm_specx/models/smollm2_eagle3/).
+REAL_PAIR_EAGLE3_K = 3
 PAIRS = ("real", "fixture")
 # The pair used without --target; scripts that reproduce the fixture tables export "fixture".
 PAIR_ENV = "VLLM_SPECX_BENCH_PAIR"
@@ -216,8 +218,18 @@ def _parsed_configs(args: argparse.Namespace, pair: str) -> list[tuple[str | Non
     if args.config:
         return parsed
     if pair == "real":
+        from vllm_specx.bench.configs import needs_eagle_head
+        from vllm_specx.real_pair import eagle3_dir
+
         k = args.num_speculative_tokens or REAL_PAIR_K
-        return [(None, {**cfg, "num_speculative_tokens": k}) for cfg in default_configs(k)]
+        head = eagle3_dir()
+        configs = default_configs(k, eagle3_head=str(head) if head else None,
+                                  eagle3_k=args.num_speculative_tokens or REAL_PAIR_EAGLE3_K)
+        # The EAGLE-3 configurations keep their own K (the head's drafts are accepted far
+        # more often than the drafter's; specx_eagle3's adaptive stop picks each length
+        # up to its default 8) unless -k names one for all.
+        return [(None, cfg if needs_eagle_head(cfg["method"]) and not args.num_speculative_tokens
+                 else {**cfg, "num_speculative_tokens": k}) for cfg in configs]
     return [(None, cfg) for cfg in default_configs(args.num_speculative_tokens or DEFAULT_K)]
 
 

@@ -113,10 +113,22 @@ def unique_names(names: Iterable[str]) -> list[str]:
     return out
 
 
-def default_configs(num_speculative_tokens: int = 4) -> list[dict[str, Any]]:
+def needs_eagle_head(method: str | None) -> bool:
+    """Methods whose ``model`` is an EAGLE head over the target's hidden states (vLLM's
+    ``eagle``/``eagle3`` and the specx methods over them), not a standalone drafter."""
+    spec = METHODS.get(method) if isinstance(method, str) else None
+    vllm_method = spec.vllm_method if spec is not None else method
+    return vllm_method in ("eagle", "eagle3")
+
+
+def default_configs(num_speculative_tokens: int = 4, eagle3_head: str | None = None,
+                    eagle3_k: int = 3) -> list[dict[str, Any]]:
     """What runs when no ``--config`` is given: vLLM's ngram and draft_model, and every
     specx method that is available in this version and runs on a draft model (the
-    fixture pair has no MTP layers). Models are filled in from the default draft later."""
+    fixture pair has no MTP layers). Models are filled in from the default draft later.
+    With ``eagle3_head`` (the real pair's shipped head): vLLM's ``eagle3`` with
+    ``eagle3_k`` drafts and ``specx_eagle3`` with the adaptive stop over the same head;
+    without one, no EAGLE method (the default drafter is not a head)."""
     configs: list[dict[str, Any]] = [
         {
             "method": "ngram",
@@ -127,6 +139,10 @@ def default_configs(num_speculative_tokens: int = 4) -> list[dict[str, Any]]:
         {"method": "draft_model", "num_speculative_tokens": num_speculative_tokens},
     ]
     for name, spec in METHODS.items():
-        if spec.available and spec.needs_draft_model:
+        if spec.available and spec.needs_draft_model and not needs_eagle_head(name):
             configs.append({"method": name})
+    if eagle3_head is not None:
+        configs.append({"method": "eagle3", "model": eagle3_head,
+                        "num_speculative_tokens": eagle3_k})
+        configs.append({"method": "specx_eagle3", "model": eagle3_head, "adaptive": True})
     return configs

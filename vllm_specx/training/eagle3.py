@@ -348,10 +348,13 @@ def response_rows(responses: list[Any], seq_len: int) -> list[tuple[list[int], i
 @torch.no_grad()
 def target_features(target: nn.Module, rows: list[tuple[list[int], int]],
                     aux_ids: tuple[int, ...], pad_id: int, *, batch_size: int = 8,
-                    progress: bool = True, desc: str = "features") -> dict[str, torch.Tensor]:
+                    progress: bool = True, desc: str = "features",
+                    autocast_bf16: bool = False) -> dict[str, torch.Tensor]:
     """The target teacher-forced on ``rows``: ``ids`` [N, L] int32, ``lengths``,
     ``answer_start``, ``aux`` [N, L, n_aux * H] and ``final`` [N, L, H] (bfloat16),
-    ``greedy`` [N, L] (the target's argmax at each position)."""
+    ``greedy`` [N, L] (the target's argmax at each position). ``autocast_bf16`` runs the
+    target in bfloat16 (2.3x faster on a CPU with native bfloat16, and what vLLM serves it
+    in there)."""
     from tqdm.auto import tqdm
 
     width = max(len(ids) for ids, _ in rows)
@@ -374,11 +377,14 @@ def target_features(target: nn.Module, rows: list[tuple[list[int], int]],
         w = int(lengths[idx].max())
         batch_ids = ids_t[idx, :w].long()
         mask = (torch.arange(w)[None, :] < lengths[idx, None]).long()
-        out = target.model(input_ids=batch_ids, attention_mask=mask, output_hidden_states=True)
-        aux[idx, :w] = torch.cat([out.hidden_states[i] for i in aux_ids], -1).to(torch.bfloat16)
-        last = out.last_hidden_state
-        final[idx, :w] = last.to(torch.bfloat16)
-        greedy[idx, :w] = (last @ lm_head.T).argmax(-1).int()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            out = target.model(input_ids=batch_ids, attention_mask=mask,
+                               output_hidden_states=True)
+            aux[idx, :w] = torch.cat([out.hidden_states[i] for i in aux_ids], -1).to(
+                torch.bfloat16)
+            last = out.last_hidden_state
+            final[idx, :w] = last.to(torch.bfloat16)
+            greedy[idx, :w] = (last @ lm_head.T).argmax(-1).int()
         bar.update(len(idx))
     bar.close()
     return {"ids": ids_t, "lengths": lengths, "answer_start": starts, "aux": aux,
@@ -553,7 +559,7 @@ class Eagle3Run:
 
         features = {"data": data_inputs, "seq_len": o.seq_len,
                     "aux_layer_ids": list(self.config()["eagle_config"][
-                        "eagle_aux_hidden_state_layer_ids"]),
+                        "eagle_aux_hidden_state_layer_ids"]), "autocast": o.autocast,
                     "corpus": [str(c) for c in job.corpus] if job.corpus else None,
                     "corpus_files": _corpus_digest(job.corpus) if job.corpus else None,
                     "corpus_windows": o.corpus_windows if job.corpus else 0}
@@ -624,17 +630,19 @@ class Eagle3Run:
             train_rows += [(w.tolist(), 0) for w in windows]
         self.log(f"distill-eagle3: features: {len(train_rows)} training rows, "
                  f"{len(held_rows)} held-out rows, aux layers {list(aux_ids)}")
+        bf16 = _autocast_on(DistillOptions(autocast=o.autocast))
         train = target_features(self.target, train_rows, aux_ids, pad, progress=self.progress,
-                                desc="features")
+                                desc="features", autocast_bf16=bf16)
         held = target_features(self.target, held_rows, aux_ids, pad, progress=self.progress,
-                               desc="features (held out)")
+                               desc="features (held out)", autocast_bf16=bf16)
         torch.save({"train": train, "heldout": held}, self.work / "eagle3_features.pt")
         positions = int(train["lengths"].sum() + held["lengths"].sum())
         seconds = time.time() - t0
         info = {"rows": len(train_rows), "heldout_rows": len(held_rows),
                 "positions": positions, "seconds": round(seconds, 1),
                 "positions_per_second": round(positions / max(seconds, 1e-9), 1),
-                "extractor": "transformers (teacher-forced, float32)"}
+                "extractor": "transformers (teacher-forced, "
+                + ("bfloat16 autocast)" if bf16 else "float32)")}
         self.log(f"distill-eagle3: features: {json.dumps(info)}")
         return info
 
