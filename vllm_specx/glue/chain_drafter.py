@@ -48,7 +48,6 @@ from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule
 from vllm_specx.glue.draft_passes import (
-    LookaheadPasses,
     RoundStart,
     SpecxPasses,
     load_acceptance_head,
@@ -103,17 +102,21 @@ class ChainDraftStats:
         }
 
 
-class ChainDrafter(SpecxPasses):
-    """The chain-draft round (see the module doc). A drafter mixes it in before its vLLM
-    proposer class and overrides the hooks where it differs."""
+class ChainRound:
+    """The chain-draft round and its hooks (see the module doc), over no runner: mixed
+    into a V1 proposer as :class:`ChainDrafter`, and into a Model Runner V2 speculator
+    (``glue/v2_speculators.py``), which supplies ``model``, ``settings``,
+    ``lookahead_passes`` and the round's :class:`~.draft_passes.RoundStart`."""
 
     settings: dict[str, Any]
+    model: Any
+    _last_draft_probs: torch.Tensor | None
     # True: the next pass also reads each live request's hidden state of the step before
     # (handed over by :meth:`feed_hidden`).
     feeds_hidden: bool = False
 
-    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
-        super().__init__(vllm_config, device, runner)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.stats = ChainDraftStats()
         self.head: torch.nn.Module | None = None
 
@@ -178,7 +181,7 @@ class ChainDrafter(SpecxPasses):
         hidden_by_req = head_in.clone() if self.feeds_hidden else None
         live = torch.arange(num_reqs)  # host indices of the requests still drafting
 
-        passes = LookaheadPasses(self, start.cad, start.sample_positions, start.base_seq_lens)
+        passes = self.lookahead_passes(start.cad, start.sample_positions, start.base_seq_lens)
         n_passes = n_rows = 0
         depth = 0
         while True:
@@ -228,3 +231,8 @@ class ChainDrafter(SpecxPasses):
             # length are never read.
             self._last_draft_probs = q_full
         return [tokens[r, : int(lengths[r])].tolist() for r in range(num_reqs)]
+
+
+class ChainDrafter(ChainRound, SpecxPasses):
+    """The chain-draft round over a vLLM V1 proposer (see the module doc). A drafter mixes
+    it in before its vLLM proposer class and overrides the hooks where it differs."""

@@ -171,6 +171,15 @@ class SpecxPasses(SpecDecodeBaseProposer):
         request when they are ragged (K = 0: ``start.no_drafts()``)."""
         raise NotImplementedError(f"{type(self).__name__} drafts no round")
 
+    def lookahead_passes(
+        self, cad: Any, sample_positions: torch.Tensor, base_seq_lens: torch.Tensor
+    ) -> LookaheadPasses:
+        """The round's lookahead passes (``run(rows, tails, start, block_table)``). The
+        rounds (``ChainRound``, ``MTADRound``) build their passes only through this hook,
+        so the same round runs on Model Runner V2, whose speculators return their own
+        passes over V2's block tables (``glue/v2_speculators.py``)."""
+        return LookaheadPasses(self, cad, sample_positions, base_seq_lens)
+
     def _draft_forward(
         self,
         per_layer_attn_metadata: Any,

@@ -86,7 +86,7 @@ from vllm_specx.algorithms.beam_tails import (
     tail_feed_start,
 )
 from vllm_specx.glue.beam_kv import BeamKVSlots
-from vllm_specx.glue.draft_passes import LookaheadPasses, RoundStart, SpecxDraftModelProposer
+from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import GREEDY_DRAFTING
 
@@ -159,8 +159,11 @@ class MTADDraftStats:
         }
 
 
-class MTADProposer(SpecxDraftModelProposer):
-    """Draft-model proposer that drafts by beam search (MTAD). See the module docstring."""
+class MTADRound:
+    """The MTAD round (beam search after the first pass) over no runner: mixed into vLLM's
+    V1 draft-model proposer as :class:`MTADProposer`, and into a Model Runner V2
+    speculator (``glue/v2_speculators.py``), which supplies ``model``, ``settings``,
+    ``lookahead_passes``, ``_beam_slots`` and the round's ``RoundStart``."""
 
     # Skip recomputing the part of a beam's tail already in the lookahead slots.
     reuse_kv_prefix: bool = True
@@ -172,8 +175,14 @@ class MTADProposer(SpecxDraftModelProposer):
     # the runner hook (vllm_specx.glue.runner_hook) right after construction.
     settings: dict[str, Any]
 
+    model: Any
+    device: torch.device
+    max_num_tokens: int
+    use_heterogeneous_vocab: bool
+    _last_draft_probs: torch.Tensor | None
+
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
-        super().__init__(vllm_config, device, runner)
+        super().__init__(vllm_config, device, runner)  # type: ignore[call-arg]
         self._refuse_unsupported(vllm_config)
         self.stats = MTADDraftStats()
         # Position P of the token each request's draft continues (last round), for
@@ -300,6 +309,10 @@ class MTADProposer(SpecxDraftModelProposer):
         return self.stats.as_dict()
 
 
+class MTADProposer(MTADRound, SpecxDraftModelProposer):
+    """Draft-model proposer that drafts by beam search (MTAD). See the module docstring."""
+
+
 class _BatchedBeamPasses:
     """The beam search's model callback: depth j is one draft pass over every live beam
     of every request, each beam in its own KV slot (see the module docstring).
@@ -310,7 +323,7 @@ class _BatchedBeamPasses:
 
     def __init__(
         self,
-        proposer: MTADProposer,
+        proposer: MTADRound,
         cad: CommonAttentionMetadata,
         sample_positions: torch.Tensor,
         base_seq_lens: torch.Tensor,
@@ -321,7 +334,7 @@ class _BatchedBeamPasses:
         warp: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.p = proposer
-        self.lookahead = LookaheadPasses(proposer, cad, sample_positions, base_seq_lens)
+        self.lookahead = proposer.lookahead_passes(cad, sample_positions, base_seq_lens)
         self.cad = cad
         self.sample_positions = sample_positions
         self.k = k
@@ -429,7 +442,7 @@ class _SequentialBeamPasses:
 
     def __init__(
         self,
-        proposer: MTADProposer,
+        proposer: MTADRound,
         cad: CommonAttentionMetadata,
         sample_positions: torch.Tensor,
         base_seq_lens: torch.Tensor,
@@ -468,14 +481,14 @@ class _TailWriter:
 
     def __init__(
         self,
-        proposer: MTADProposer,
+        proposer: MTADRound,
         cad: CommonAttentionMetadata,
         sample_positions: torch.Tensor,
         base_seq_lens: torch.Tensor,
         k: int,
     ) -> None:
         self.p = proposer
-        self.lookahead = LookaheadPasses(proposer, cad, sample_positions, base_seq_lens)
+        self.lookahead = proposer.lookahead_passes(cad, sample_positions, base_seq_lens)
         self.num_reqs = cad.batch_size()
         # Tokens whose KV sits in the lookahead slots P+1.. (valid for the first
         # `held_len` of them); nothing is held at the start of a round.

@@ -1,0 +1,311 @@
+"""The specx draft-model methods (``adaptive``, ``mtad``) as Model Runner V2 speculators
+(vLLM glue, checked on vLLM 0.32's ``vllm/v1/worker/gpu/``).
+
+V2 builds one speculator per runner (``BaseSpeculator``: ``propose(...) -> [num_reqs,
+K]``); for vLLM's ``draft_model`` it is ``StandaloneARSpeculator``. The specx speculators
+here are that class with the specx round in place of its fixed K-step chain, the same
+round the V1 drafters run (no copy):
+
+* the **first pass** is exactly vLLM's V2 one (``StandaloneARSpeculator._prefill``: the
+  verified tokens, the token the target just emitted and the rejected drafts' slots, for
+  the whole batch; it keeps the draft KV cache in sync). Its sampling hook is where the
+  round picks up the draft's final hidden state at each request's new token;
+* the **round** is the V1 drafter's own mixin: :class:`~.chain_drafter.ChainRound`
+  (``adaptive``: per-request stop, shrinking batch) or :class:`~.mtad_proposer.MTADRound`
+  (``mtad``: beam search), run on a :class:`~.draft_passes.RoundStart` built from V2's
+  batch;
+* its **lookahead passes** (:class:`V2LookaheadPasses`) are the V1 ones over V2's
+  structures: slots from V2's block tables (``BlockTables.block_tables``, indexed by the
+  batch's request-state rows), attention metadata from V2's ``build_attn_metadata`` with
+  the speculator's draft attention groups, the forward through vLLM's
+  ``StandaloneARSpeculator._run_model``.
+
+Ragged drafts (``adaptive``): the round returns one list per request; ``propose`` writes
+them into V2's ``[num_reqs, K]`` draft buffer and keeps each request's length for
+``take_draft_lengths()``, which the ``v2_ragged_draft_lengths`` patch
+(``glue/v2_patches.py``) reads to hand the scheduler exactly those lengths.
+
+CUDA graphs: like vLLM's own ``StandaloneARSpeculator`` (0.32: "CUDA graph not yet
+supported for standalone AR speculator"), these speculators capture nothing and run
+eager inside a runner whose target model is captured as usual; their passes change shape
+from round to round (a shrinking batch, beams), which no captured graph could replay.
+
+What differs from V1:
+
+* MTAD's beams run one pass per beam in the request's own lookahead slots (the V1
+  drafter's "no scratch region" path, ``1 + B*(K-1)`` passes per round): the per-beam
+  KV scratch region (``glue/beam_kv.py``) reads V1's block tables. Same drafts, more
+  passes.
+* Drafts of sampled requests are the draft's argmax until the specx sampler verifies on
+  V2 with the draft probabilities (vLLM's V2 ``RejectionSampler`` with
+  ``draft_sample_method: greedy`` treats drafts as one-hot, which is lossless only for
+  argmax drafts): :attr:`SpecxV2DraftSpeculator.sampler_reads_draft_probs`.
+* A draft with another tokenizer never reaches V2: vLLM 0.32 itself keeps
+  heterogeneous-vocabulary drafts on V1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappings_by_layer
+from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
+
+from vllm_specx.glue.chain_drafter import ChainRound
+from vllm_specx.glue.draft_passes import RoundStart
+from vllm_specx.glue.mtad_proposer import MTADRound
+
+# vLLM's slot id for "write no KV" (vllm.v1.worker.gpu.block_table's PAD_SLOT_ID).
+PAD_SLOT_ID = -1
+
+__all__ = ["AdaptiveV2Speculator", "MTADV2Speculator", "SpecxV2DraftSpeculator",
+           "V2LookaheadPasses"]
+
+
+@dataclass(frozen=True)
+class V2Batch:
+    """A V2 round's batch, where the V1 rounds read a ``CommonAttentionMetadata``: its
+    size, and each row's request-state index (V2's block tables are indexed by it)."""
+
+    num_reqs: int
+    idx_mapping: torch.Tensor  # [num_reqs] request-state rows, on the device
+
+    def batch_size(self) -> int:
+        return self.num_reqs
+
+
+@dataclass(frozen=True)
+class V2Sampling:
+    """The sampling parameters a round reads (V1's ``SamplingMetadata`` fields), one row
+    per request of the batch; ``temperature`` None means every request is greedy (V1's
+    convention)."""
+
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+
+
+class V2LookaheadPasses:
+    """The V1 :class:`~.draft_passes.LookaheadPasses` contract over Model Runner V2:
+    ``run(rows, tails, start)`` feeds request ``rows[i]`` the tokens
+    ``tails[i, start[i]:]`` at positions ``P+1+start[i] .. P+j`` and returns the draft's
+    final hidden state after each row's last token."""
+
+    def __init__(self, speculator: SpecxV2DraftSpeculator, batch: V2Batch,
+                 sample_positions: torch.Tensor, base_seq_lens: torch.Tensor) -> None:
+        self.s = speculator
+        self.device = sample_positions.device
+        self.positions_cpu = sample_positions.to("cpu", torch.int64)  # P per request
+        self.base_seq_cpu = base_seq_lens.to("cpu", torch.int64)  # P + 1 per request
+        tables = speculator.block_tables
+        # [num_reqs, W] per KV-cache group: the batch's rows of the request-state tables.
+        self.tables = [t.gpu[batch.idx_mapping] for t in tables.block_tables]
+        self.block_sizes = list(tables.block_sizes)
+
+    def run(self, rows: torch.Tensor, tails: torch.Tensor, start: torch.Tensor,
+            block_table: torch.Tensor | None = None) -> torch.Tensor:
+        if block_table is not None:
+            raise NotImplementedError("per-beam KV slots are V1-only (glue/beam_kv.py)")
+        s = self.s
+        n, j = tails.shape
+        q_lens = j - start
+        cols = torch.arange(j)
+        feed = cols.unsqueeze(0) >= start.unsqueeze(1)
+        token_ids = tails[feed]
+        positions = (self.positions_cpu[rows].unsqueeze(1) + 1 + cols.unsqueeze(0))[feed]
+        seq_lens = self.base_seq_cpu[rows] + j
+        # Near max_model_len (as V1's drafter): clamp, write nothing out of range.
+        too_far = positions >= s.max_model_len
+        positions = positions.clamp(max=s.max_model_len - 1)
+        seq_lens = seq_lens.clamp(max=s.max_model_len)
+        qsl_cpu = torch.zeros(n + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.cumsum(q_lens, 0).to(torch.int32)
+        num_tokens = int(qsl_cpu[-1])
+
+        dev = self.device
+        req_of_token = torch.repeat_interleave(torch.arange(n), q_lens).to(dev)
+        dev_rows = rows.to(dev)
+        dev_pos = positions.to(dev)
+        tables, slots = [], []
+        for table_all, block_size in zip(self.tables, self.block_sizes):
+            table = table_all[dev_rows]
+            block_idx = torch.clamp(dev_pos // block_size, max=table.shape[1] - 1)
+            blocks = table[req_of_token, block_idx].to(torch.int64)
+            slot = blocks * block_size + dev_pos % block_size
+            slots.append(slot.masked_fill(too_far.to(dev), PAD_SLOT_ID))
+            tables.append(table)
+        slot_mappings = torch.stack(slots) if slots else torch.empty(0, num_tokens)
+        attn_metadata = build_attn_metadata(
+            attn_groups=s.attn_groups,
+            num_reqs=n,
+            num_tokens=num_tokens,
+            query_start_loc_gpu=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            max_query_len=int(q_lens.max()),
+            seq_lens=seq_lens.to(device=dev, dtype=torch.int32),
+            max_seq_len=s.max_model_len,
+            block_tables=tables,
+            slot_mappings=slot_mappings,
+            kv_cache_config=s.kv_cache_config,
+            seq_lens_cpu_upper_bound=seq_lens.to(torch.int32),
+            positions=dev_pos,
+            is_prefilling=torch.zeros(n, dtype=torch.bool),
+        )
+        hidden = s._run_model(
+            token_ids.to(device=dev, dtype=torch.int32),
+            dev_pos,
+            attn_metadata,
+            build_slot_mappings_by_layer(slot_mappings, s.kv_cache_config),
+            None,
+        )
+        last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
+        return hidden[last]
+
+
+class SpecxV2DraftSpeculator(StandaloneARSpeculator):
+    """vLLM's V2 draft-model speculator with a specx round after its first pass (see the
+    module doc). A method's speculator mixes its round in before this class."""
+
+    # The validated specx settings: set by install_v2_speculator before load_model.
+    settings: dict[str, Any]
+    # True once a sampler that reads take_last_draft_probs() verifies on V2 (the specx
+    # sampler); until then sampled requests draft the argmax (see the module doc).
+    sampler_reads_draft_probs: bool = False
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config, device)
+        self.runner = runner
+        # What the V1 rounds and specx refusals read off a V1 proposer.
+        self.parallel_drafting = bool(self.speculative_config.parallel_drafting)
+        self.uses_mrope = bool(vllm_config.model_config.uses_mrope)
+        self.use_heterogeneous_vocab = False  # vLLM 0.32 keeps those drafts on V1
+        self.max_batch_size = self.max_num_reqs
+        self._last_draft_probs: torch.Tensor | None = None
+        self._draft_lengths: dict[str, int] | None = None
+        self._first_pass: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._catch_first_pass = False
+
+    # -- what the rounds use -------------------------------------------------------------
+
+    def lookahead_passes(self, cad: V2Batch, sample_positions: torch.Tensor,
+                         base_seq_lens: torch.Tensor) -> V2LookaheadPasses:
+        return V2LookaheadPasses(self, cad, sample_positions, base_seq_lens)
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        probs, self._last_draft_probs = self._last_draft_probs, None
+        return probs
+
+    def take_draft_lengths(self) -> dict[str, int] | None:
+        """Request id -> drafted tokens of the last round, when the drafts were ragged
+        (read once by the ``v2_ragged_draft_lengths`` patch); None: K for every request."""
+        lengths, self._draft_lengths = self._draft_lengths, None
+        return lengths
+
+    def sampling_view(self, input_batch: Any, temperature: torch.Tensor) -> V2Sampling:
+        """The batch's sampling parameters, one row per request (V2 keeps them per
+        request-state row)."""
+        num_reqs = input_batch.num_reqs
+        idx = input_batch.idx_mapping[:num_reqs]
+        temp = temperature[idx].to(torch.float32)
+        if bool((temp < 1e-5).all()):
+            return V2Sampling(None, None, None, {})
+        top_k = top_p = None
+        states = getattr(getattr(self.runner, "sampler", None), "sampling_states", None)
+        if states is not None:
+            top_k = states.top_k.gpu[idx].to(torch.int64)
+            top_p = states.top_p.gpu[idx]
+        # V2 seeds requests through Gumbel noise, not torch.Generators: seeded requests
+        # draw their drafts unseeded here (the verification's output stays exact).
+        return V2Sampling(temp, top_k, top_p, {})
+
+    # -- vLLM's first pass, caught ---------------------------------------------------------
+
+    def sample_draft(self, hidden_states: torch.Tensor, sample_src_positions: torch.Tensor,
+                     *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self._catch_first_pass:
+            return super().sample_draft(hidden_states, sample_src_positions, *args, **kwargs)
+        # The first pass's rows at each request's new token: the round starts here.
+        self._first_pass = (hidden_states.clone(), sample_src_positions.to(torch.int64))
+        return torch.zeros(hidden_states.shape[0], dtype=torch.int64,
+                           device=hidden_states.device)
+
+    @torch.inference_mode()
+    def propose(self, input_batch: Any, attn_metadata: Any, slot_mappings: Any,
+                last_hidden_states: torch.Tensor, aux_hidden_states: Any,
+                num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+                last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
+                temperature: torch.Tensor, seeds: torch.Tensor, dp_sync_state: Any = None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs: Any = None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        if dummy_run:
+            # Profiling and warm-up: vLLM's own chain over the same draft model.
+            return super().propose(
+                input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
+                dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                mm_inputs=mm_inputs, is_profile=is_profile,
+                num_speculative_tokens=num_speculative_tokens,
+            )
+        num_reqs = input_batch.num_reqs
+        k = self.num_speculative_steps if num_speculative_tokens is None else int(
+            num_speculative_tokens)
+        num_tokens_across_dp = (
+            dp_sync_state.num_tokens_across_dp if dp_sync_state is not None else None
+        )
+        self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
+        self._catch_first_pass = True
+        try:
+            self._prefill(input_batch, num_rejected, last_sampled, num_reqs, False,
+                          num_tokens_across_dp)
+        finally:
+            self._catch_first_pass = False
+        assert self._first_pass is not None
+        out, sample_positions = self._first_pass
+        self._first_pass = None
+        self._last_draft_probs = None
+        start = RoundStart(
+            k, num_reqs, out, sample_positions,
+            V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs]),
+            int(input_batch.num_tokens) + num_reqs,
+            sample_positions + 1,
+        )
+        drafts = self.draft_round(start, self.sampling_view(input_batch, temperature))
+        buf = self.draft_tokens[:num_reqs]
+        if isinstance(drafts, list):
+            # Ragged: the scheduler gets each request's length (take_draft_lengths); the
+            # slots past it are never read.
+            buf.zero_()
+            for row, ids in enumerate(drafts):
+                if ids:
+                    buf[row, : len(ids)] = torch.tensor(ids, dtype=buf.dtype)
+            self._draft_lengths = {
+                req_id: len(ids) for req_id, ids in zip(input_batch.req_ids, drafts)
+            }
+        else:
+            buf[:, : drafts.shape[1]] = drafts.to(device=buf.device, dtype=buf.dtype)
+            self._draft_lengths = None
+        return buf
+
+    def draft_round(self, start: RoundStart, sampling: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError(f"{type(self).__name__} drafts no round")
+
+
+class AdaptiveV2Speculator(ChainRound, SpecxV2DraftSpeculator):
+    """``adaptive`` on Model Runner V2: the chain round with the per-request stop
+    (``glue/chain_drafter.py``) after vLLM's V2 first pass."""
+
+    def drafts_argmax(self) -> bool:
+        return super().drafts_argmax() or not self.sampler_reads_draft_probs
+
+
+class MTADV2Speculator(MTADRound, SpecxV2DraftSpeculator):
+    """``mtad`` on Model Runner V2: the beam-search round (``glue/mtad_proposer.py``)
+    after vLLM's V2 first pass, one pass per beam (see the module doc)."""
+
+    def _beam_slots(self) -> None:
+        return None
