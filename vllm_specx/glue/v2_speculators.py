@@ -36,10 +36,11 @@ What differs from V1:
   drafter's "no scratch region" path, ``1 + B*(K-1)`` passes per round): the per-beam
   KV scratch region (``glue/beam_kv.py``) reads V1's block tables. Same drafts, more
   passes.
-* Drafts of sampled requests are the draft's argmax until the specx sampler verifies on
-  V2 with the draft probabilities (vLLM's V2 ``RejectionSampler`` with
-  ``draft_sample_method: greedy`` treats drafts as one-hot, which is lossless only for
-  argmax drafts): :attr:`SpecxV2DraftSpeculator.sampler_reads_draft_probs`.
+* The draft probabilities reach the specx sampler on V2 by request-state row
+  (``glue/v2_sampler.store_draft_q``), not through ``take_last_draft_probs``. Without
+  that sampler (:attr:`SpecxV2DraftSpeculator.sampler_reads_draft_probs` False: vLLM's
+  V2 ``RejectionSampler`` treats drafts as one-hot, lossless only for argmax drafts)
+  sampled requests draft the argmax.
 * A draft with another tokenizer never reaches V2: vLLM 0.32 itself keeps
   heterogeneous-vocabulary drafts on V1.
 """
@@ -289,6 +290,12 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         else:
             buf[:, : drafts.shape[1]] = drafts.to(device=buf.device, dtype=buf.dtype)
             self._draft_lengths = None
+        if self.sampler_reads_draft_probs:
+            # The specx sampler on V2 reads q by request-state row (glue/v2_sampler.py).
+            from vllm_specx.glue.v2_sampler import store_draft_q
+
+            store_draft_q(self, input_batch.idx_mapping[:num_reqs], self.take_last_draft_probs(),
+                          self.max_num_reqs)
         return buf
 
     def draft_round(self, start: RoundStart, sampling: Any) -> Any:  # pragma: no cover
