@@ -312,7 +312,9 @@ def head_config(target_dir: Path, options: Eagle3Options) -> dict[str, Any]:
             "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
             "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")
     config = {k: t[k] for k in keys if k in t}
-    aux = options.aux_layer_ids or default_aux_layer_ids(int(t["num_hidden_layers"]))
+    # vLLM collects the auxiliary states in layer order whatever order the config names
+    # them in, and fc reads them concatenated in that order.
+    aux = sorted(set(options.aux_layer_ids or default_aux_layer_ids(int(t["num_hidden_layers"]))))
     config.update(
         architectures=["LlamaForCausalLMEagle3"],
         model_type="llama",
