@@ -100,11 +100,18 @@ class RunResult:
     cpu_s: float | None = None
 
 
+def _drafter_of(runner: Any) -> Any:
+    """The runner's drafter: ``drafter`` on vLLM's V1 runner, ``speculator`` on Model
+    Runner V2."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter if drafter is not None else getattr(runner, "speculator", None)
+
+
 def _specx_drafter_stats(worker: Any) -> dict[str, Any] | None:
     """Runs inside a worker (sent by ``collective_rpc``): the drafter's own counts."""
     inner = getattr(worker, "worker", worker)
     runner = getattr(inner, "model_runner", None)
-    drafter = getattr(runner, "drafter", None)
+    drafter = _drafter_of(runner)
     if not isinstance(drafter, SpecxProposer):  # vLLM's own drafter: no counts of its own
         return None
     stats = drafter.specx_stats()
@@ -265,7 +272,7 @@ def _install_forward_timers(worker: Any) -> list[str]:
     target = get_model() if callable(get_model) else getattr(runner, "model", None)
     if isinstance(target, torch.nn.Module):
         timers["target"] = _ForwardTimer(target)
-    drafter = getattr(runner, "drafter", None)
+    drafter = _drafter_of(runner)
     draft = getattr(drafter, "model", None)
     if draft is not None:
         draft = _unwrap(draft)
