@@ -32,10 +32,6 @@ from round to round (a shrinking batch, beams), which no captured graph could re
 
 What differs from V1:
 
-* MTAD's beams run one pass per beam in the request's own lookahead slots (the V1
-  drafter's "no scratch region" path, ``1 + B*(K-1)`` passes per round): the per-beam
-  KV scratch region (``glue/beam_kv.py``) reads V1's block tables. Same drafts, more
-  passes.
 * The draft probabilities reach the specx sampler on V2 by request-state row
   (``glue/v2_sampler.store_draft_q``), not through ``take_last_draft_probs``. Without
   that sampler (:attr:`SpecxV2DraftSpeculator.sampler_reads_draft_probs` False: vLLM's
@@ -68,10 +64,12 @@ __all__ = ["AdaptiveV2Speculator", "MTADV2Speculator", "SpecxV2DraftSpeculator",
 @dataclass(frozen=True)
 class V2Batch:
     """A V2 round's batch, where the V1 rounds read a ``CommonAttentionMetadata``: its
-    size, and each row's request-state index (V2's block tables are indexed by it)."""
+    size, each row's request-state index (V2's block tables are indexed by it) and the
+    draft layers' block-table rows (MTAD's per-beam rows start from them)."""
 
     num_reqs: int
     idx_mapping: torch.Tensor  # [num_reqs] request-state rows, on the device
+    block_table_tensor: torch.Tensor  # [num_reqs, W]: the draft KV-cache group's rows
 
     def batch_size(self) -> int:
         return self.num_reqs
@@ -108,8 +106,9 @@ class V2LookaheadPasses:
 
     def run(self, rows: torch.Tensor, tails: torch.Tensor, start: torch.Tensor,
             block_table: torch.Tensor | None = None) -> torch.Tensor:
-        if block_table is not None:
-            raise NotImplementedError("per-beam KV slots are V1-only (glue/beam_kv.py)")
+        """``block_table`` ([len(rows), W]) replaces the rows' block-table rows (MTAD's
+        beams in their own KV slots, ``glue/beam_kv.py``; only with one block size, so
+        every group reads it: the draft layers read their own group's)."""
         s = self.s
         n, j = tails.shape
         q_lens = j - start
@@ -132,7 +131,7 @@ class V2LookaheadPasses:
         dev_pos = positions.to(dev)
         tables, slots = [], []
         for table_all, block_size in zip(self.tables, self.block_sizes):
-            table = table_all[dev_rows]
+            table = table_all[dev_rows] if block_table is None else block_table
             block_idx = torch.clamp(dev_pos // block_size, max=table.shape[1] - 1)
             blocks = table[req_of_token, block_idx].to(torch.int64)
             slot = blocks * block_size + dev_pos % block_size
@@ -190,6 +189,23 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         self._catch_first_pass = False
 
     # -- what the rounds use -------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        """The draft layers' KV block size (MTAD's scratch region is cut in it)."""
+        return int(self.block_tables.block_sizes[self._draft_group()])
+
+    @property
+    def _draft_attn_layer_names(self) -> set[str]:
+        # V1's name for it (glue/beam_kv.py reads the draft layers' caches by it).
+        return self.draft_attn_layer_names
+
+    def _draft_group(self) -> int:
+        """The KV-cache group of the draft model's attention layers."""
+        for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if self.draft_attn_layer_names & set(group.layer_names):
+                return i
+        return 0
 
     def lookahead_passes(self, cad: V2Batch, sample_positions: torch.Tensor,
                          base_seq_lens: torch.Tensor) -> V2LookaheadPasses:
@@ -271,7 +287,9 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         self._last_draft_probs = None
         start = RoundStart(
             k, num_reqs, out, sample_positions,
-            V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs]),
+            V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs],
+                    self.block_tables.block_tables[self._draft_group()].gpu[
+                        input_batch.idx_mapping[:num_reqs]]),
             int(input_batch.num_tokens) + num_reqs,
             sample_positions + 1,
         )
@@ -312,7 +330,5 @@ class AdaptiveV2Speculator(ChainRound, SpecxV2DraftSpeculator):
 
 class MTADV2Speculator(MTADRound, SpecxV2DraftSpeculator):
     """``mtad`` on Model Runner V2: the beam-search round (``glue/mtad_proposer.py``)
-    after vLLM's V2 first pass, one pass per beam (see the module doc)."""
-
-    def _beam_slots(self) -> None:
-        return None
+    after vLLM's V2 first pass, every beam of a depth in one pass in its own KV slots
+    (``glue/beam_kv.py``'s scratch region, as on V1)."""
