@@ -103,6 +103,16 @@ class NpuRefusedSetting:
 
 
 @dataclass(frozen=True)
+class V1OnlySetting:
+    """A setting value with which a method that runs on Model Runner V2 still runs on
+    V1 (named in the README's "Which model runner", and logged), and why."""
+
+    knob: str
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """A specx method: what it translates to in vLLM, its knobs and the rules between
     them, how it verifies and which proposer drafts for it."""
@@ -155,12 +165,34 @@ class MethodSpec:
     # method to vLLM's list of features V2 does not support, so vLLM picks V1 and logs
     # ``v1_reason``, and forcing V2 is refused at start with it.
     runs_on_v2: bool = False
+    # The method's Model Runner V2 speculator class (a ``BaseSpeculator`` built as
+    # ``Class(vllm_config, device, runner)``; ``glue/v2_patches.install_v2_speculator``
+    # swaps it in for vLLM's), imported lazily. None: no V2 speculator yet.
+    v2_speculator: ProposerFactory | None = None
     # One line: why the method still needs the V1 runner (logged, and named in the
     # README's "Which model runner"). Ignored when ``runs_on_v2``.
     v1_reason: str = "its drafter and sampler are hooked into the V1 runner only"
+    # Settings that keep a method which runs on V2 on the V1 runner all the same (e.g.
+    # an adaptive stop whose V2 drafter is not built yet): :func:`v1_only_reason`.
+    v1_only_settings: tuple[V1OnlySetting, ...] = ()
+    # CUDA graphs on V2, declared before start (logged by config translation):
+    # "captured" -- the speculator takes part in V2's graph capture (vLLM's own
+    # speculator drafts); "eager" -- the specx speculator's draft passes run eager
+    # (their batch changes shape within a round), while V2 captures the target model
+    # as usual. The specx sampler runs outside graphs, as V2's own sampler does.
+    v2_cudagraph: str = "eager"
 
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
+
+    def v1_only_reason(self, settings: Mapping[str, Any]) -> str | None:
+        """Why these settings need the V1 runner, or None when they run on V2."""
+        if not self.runs_on_v2:
+            return self.v1_reason
+        for setting in self.v1_only_settings:
+            if settings.get(setting.knob) == setting.value:
+                return f"{setting.knob} = {str(setting.value).lower()}: {setting.why}"
+        return None
 
 
 def _int_at_least(lo: int) -> Callable[[Any], bool]:
@@ -325,7 +357,14 @@ def _requires_adaptive(knob: Knob) -> Knob:
     )
 
 
-def _eagle_head_spec(name: str, vllm_method: str, what: str) -> MethodSpec:
+ADAPTIVE_STOP_NEEDS_V1 = V1OnlySetting(
+    "adaptive", True,
+    "the adaptive stop over MTP layers and EAGLE heads runs in the V1 chain drafter "
+    "(glue/eagle_chain_proposer.py); on V2 these methods draft a fixed K",
+)
+
+
+def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -> MethodSpec:
     """``specx_eagle`` / ``specx_eagle3``: vLLM's EAGLE drafting over a head (``model``),
     verified by the specx sampler, optionally with the adaptive stop; one proposer for
     both (and for ``specx_mtp``): the chain drafter over vLLM's ``EagleProposer``."""
@@ -350,6 +389,12 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str) -> MethodSpec:
         ragged_drafts=True,  # the adaptive stop drafts per-request lengths
         engine_checks=(named("vllm_specx.glue.patches:require_eagle_head_fits_target"),),
         vllm_alias=vllm_method,
+        # On V2 with a fixed K: vLLM's own V2 EagleSpeculator drafts (the argmax chain
+        # the V1 chain drafter runs at fixed K), the specx sampler verifies.
+        runs_on_v2=runs_on_v2,
+        v1_reason="not run on Model Runner V2 yet: there is no EAGLE (one-layer) test head",
+        v1_only_settings=(ADAPTIVE_STOP_NEEDS_V1,),
+        v2_cudagraph="captured",
     )
 
 
@@ -368,6 +413,8 @@ METHODS: dict[str, MethodSpec] = {
             checks=(beam_positions_fit_device,),
             rule="mtad",
             proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
+            v2_speculator=named("vllm_specx.glue.v2_speculators:MTADV2Speculator"),
+            runs_on_v2=True,
             available=True,
             beam_width_knob="num_beams",
         ),
@@ -383,6 +430,8 @@ METHODS: dict[str, MethodSpec] = {
                    CONFIDENCE_SIGNAL, DRAFT_SAMPLING),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
             proposer=named("vllm_specx.glue.adaptive_proposer:AdaptiveProposer"),
+            v2_speculator=named("vllm_specx.glue.v2_speculators:AdaptiveV2Speculator"),
+            runs_on_v2=True,
             available=True,
             ragged_drafts=True,
         ),
@@ -418,10 +467,16 @@ METHODS: dict[str, MethodSpec] = {
             ),
             engine_checks=(named("vllm_specx.glue.patches:require_mtp_layers"),),
             vllm_alias="mtp",
+            # As the EAGLE heads: fixed K on V2 with vLLM's own V2 MTP speculator.
+            runs_on_v2=True,
+            v1_only_settings=(ADAPTIVE_STOP_NEEDS_V1,),
+            v2_cudagraph="captured",
         ),
-        _eagle_head_spec("specx_eagle", "eagle", "an EAGLE head (one decoder layer)"),
+        _eagle_head_spec("specx_eagle", "eagle", "an EAGLE head (one decoder layer)",
+                         runs_on_v2=False),
         _eagle_head_spec("specx_eagle3", "eagle3",
-                         "an EAGLE-3 head (one decoder layer over three target layers)"),
+                         "an EAGLE-3 head (one decoder layer over three target layers)",
+                         runs_on_v2=True),
     )
 }
 

@@ -174,6 +174,7 @@ _RELEASE_0_32_0 = ReleaseTable(
     runtime_fixes=(
         "tolerant_kernel_rebind", "register_overrides_once",
         "seeded_partial_prefill", "top_k_only_empty_batch",
+        "v2_top_k_top_p_sampler", "v2_top_k_top_p_states",
     ),
     # dispatch_cpu_unquantized_gemm and its two callers (linear.py,
     # vocab_parallel_embedding.py) read identical in the 0.33.0 wheel.

@@ -34,6 +34,14 @@ Two more keep one request from killing a running CPU engine (defects 4 and 5):
   when the rejection sampler constrains the draft logits of a step without drafts (the
   last step before ``max_tokens``); an empty batch now passes through unchanged.
 
+One keeps Model Runner V2 alive on the CPU platform (``CUDA_VISIBLE_DEVICES=``,
+``TRITON_INTERPRET=1``, README "Which model runner"):
+
+* ``v2_top_k_top_p_sampler`` / ``v2_top_k_top_p_states``: with Triton found,
+  ``apply_top_k_top_p`` calls the Triton top-k/top-p kernel, which fails under the
+  interpreter; V2's sampler and sampling states (which import the function by name) run
+  vLLM's own PyTorch implementation on CPU tensors instead.
+
 See docs/upstream-vllm-cpu-adapter-defects.md (defects 3, 4 and 5).
 """
 
@@ -210,12 +218,55 @@ class TopKOnlyEmptyBatch(VllmPatch):
         return apply_top_k_only
 
 
+class TopKTopPOnCpuTensors(VllmPatch):
+    """Model Runner V2's call of ``apply_top_k_top_p`` in one of its two modules
+    (``name`` / ``target`` per instance)."""
+
+    scope = "cpu-reference"
+    lazy = True  # the V2 modules are imported when a V2 runner is built
+    replaces = (
+        "apply_top_k_top_p as Model Runner V2 imported it, which calls the Triton "
+        "top-k/top-p kernel whenever vLLM found Triton (HAS_TRITON)"
+    )
+    why = (
+        "V2 on the CPU platform runs with CUDA_VISIBLE_DEVICES= and TRITON_INTERPRET=1, "
+        "where vLLM keeps Triton, and the Triton top-k/top-p kernel fails under the "
+        "interpreter (InterpreterError: 'int' object has no attribute 'to'), killing the "
+        "engine at the first request with top_k or top_p; on CPU tensors vLLM's own "
+        "PyTorch implementation (apply_top_k_top_p_pytorch, its path without Triton) masks "
+        "the same tokens. V1 on CPU never reaches it"
+    )
+
+    def __init__(self, name: str, target: str) -> None:
+        self.name = name
+        self.target = target
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def apply_top_k_top_p(logits: Any, k: Any, p: Any) -> Any:
+            if logits.device.type != "cpu" or (k is None and p is None):
+                return original(logits, k, p)
+            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+            if logits.shape[0] == 0:
+                return logits  # nothing to mask (as cpu_top_k_only_empty_batch)
+            return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)
+
+        return apply_top_k_top_p
+
+
 # Names used by the drift table (``ReleaseTable.runtime_fixes``) -> patch.
 FIXES: dict[str, VllmPatch] = {
     "tolerant_kernel_rebind": TolerantKernelRebind(),
     "register_overrides_once": OverrideRegistrationOnce(),
     "seeded_partial_prefill": SeededPartialPrefill(),
     "top_k_only_empty_batch": TopKOnlyEmptyBatch(),
+    # Model Runner V2 calls it from two modules (imported by name in each).
+    "v2_top_k_top_p_sampler": TopKTopPOnCpuTensors(
+        "cpu_v2_top_k_top_p_sampler",
+        "vllm.v1.worker.gpu.sample.sampler:apply_top_k_top_p"),
+    "v2_top_k_top_p_states": TopKTopPOnCpuTensors(
+        "cpu_v2_top_k_top_p_states",
+        "vllm.v1.worker.gpu.sample.states:apply_top_k_top_p"),
 }
 
 

@@ -23,6 +23,7 @@ from vllm_specx.envflags import env_flag
 from vllm_specx.glue.beam_kv import BeamScratchReservation
 from vllm_specx.glue.parallelism import parallelism_refusal
 from vllm_specx.glue.patch_base import VllmPatch
+from vllm_specx.glue.v2_patches import V2_PATCHES
 from vllm_specx.methods import METHODS
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
@@ -148,6 +149,16 @@ def require_eagle_head_fits_target(target_model_config: Any, settings: dict[str,
         raise refusal_error("model", draft_model, problem, method)
 
 
+# What each MethodSpec.v2_cudagraph value means, as logged before the engine starts.
+V2_CUDAGRAPH_DECLARATION: dict[str, str] = {
+    "captured": "drafting by vLLM's own V2 speculator, which takes part in V2's CUDA-graph "
+    "capture; the specx sampler runs outside graphs, as V2's sampler does",
+    "eager": "the specx speculator captures no CUDA graph (its draft batch changes shape "
+    "within a round) and runs eager in every capture mode; V2 captures the target model "
+    "as usual; the specx sampler runs outside graphs, as V2's sampler does",
+}
+
+
 class SpeculativeConfigTranslation(VllmPatch):
     name = "speculative_config_translation"
     target = "vllm.engine.arg_utils:EngineArgs.create_speculative_config"
@@ -202,12 +213,16 @@ class SpeculativeConfigTranslation(VllmPatch):
                         f"{flag} and --speculative-config['{key}'] are mutually exclusive"
                     )
             method = result.specx_settings["method"]
-            if env_flag("VLLM_USE_V2_MODEL_RUNNER") and not METHODS[method].runs_on_v2:
+            v1_reason = METHODS[method].v1_only_reason(result.specx_settings)
+            if env_flag("VLLM_USE_V2_MODEL_RUNNER") and v1_reason is not None:
                 raise SpecxConfigError(
                     f'speculative_config["method"] = "{method}" runs on vLLM\'s V1 model '
-                    f"runner only ({METHODS[method].v1_reason}): unset "
-                    "VLLM_USE_V2_MODEL_RUNNER=1."
+                    f"runner only ({v1_reason}): unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
+            if v1_reason is None:
+                # README "Which model runner": CUDA graphs on V2, declared before start.
+                logger.info("vllm-specx: %s on Model Runner V2: %s", method,
+                            V2_CUDAGRAPH_DECLARATION[METHODS[method].v2_cudagraph])
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings,
                                result.vllm_speculative_config.get("model"))
@@ -265,9 +280,10 @@ class SpecxOnV1Runner(VllmPatch):
     target = "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
     replaces = "VllmConfig._get_v2_model_runner_unsupported_features (the V2 opt-out list)"
     why = (
-        "a specx method whose MethodSpec.runs_on_v2 is False is hooked into the V1 runner "
-        "only; adding it (with its v1_reason) to the list makes vLLM itself pick V1 and "
-        "log why. Methods that run on V2 are left to vLLM's own choice"
+        "a specx method (or setting) that cannot run on V2 (MethodSpec.runs_on_v2, "
+        "v1_only_settings) is hooked into the V1 runner only; adding it with its reason "
+        "to the list makes vLLM itself pick V1 and log why. What runs on V2 is left to "
+        "vLLM's own choice"
     )
 
     def wrap(self, original: Any) -> Any:
@@ -275,8 +291,9 @@ class SpecxOnV1Runner(VllmPatch):
             features = list(original(self_))
             settings = specx_settings(self_)
             spec = METHODS.get(settings["method"]) if settings else None
-            if settings and (spec is None or not spec.runs_on_v2):
-                reason = spec.v1_reason if spec is not None else "unknown method"
+            reason = (spec.v1_only_reason(settings) if spec is not None
+                      else "unknown method") if settings else None
+            if reason is not None:
                 features.append(
                     f"vllm-specx speculative method '{settings['method']}' ({reason})"
                 )
@@ -321,6 +338,7 @@ ALL_PATCHES: tuple[VllmPatch, ...] = (
     SpecxOnV1Runner(),
     RunnerSpecxComponents(),
     BeamScratchReservation(),
+    *V2_PATCHES,  # Model Runner V2 (glue/v2_patches.py)
 )
 
 

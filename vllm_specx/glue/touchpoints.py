@@ -23,6 +23,12 @@ Patches (name -- scope -- what in vLLM changes):
 * specx_selects_v1_runner -- always -- ``VllmConfig._get_v2_model_runner_unsupported_features``
 * runner_specx_components -- always -- ``GPUModelRunner.__init__`` (when vLLM imports it)
 * mtad_beam_scratch_reservation -- always -- ``Scheduler.__init__`` (when vLLM imports it)
+* v2_specx_speculator -- always -- Model Runner V2's ``GPUModelRunner.__init__`` (when vLLM
+  imports it)
+* v2_ragged_draft_lengths -- always -- Model Runner V2's
+  ``GPUModelRunner.take_draft_token_ids`` (when vLLM imports it)
+* v2_specx_sampler -- always -- Model Runner V2's ``GPUModelRunner.load_model`` (when vLLM
+  imports it)
 * cpu_adapter_compute_slot_mapping_kernel -- cpu-reference --
   ``cpu_triton_utils._compute_slot_mapping_kernel_impl``
 * cpu_adapter_expand_kernel -- cpu-reference -- ``cpu_triton_utils._expand_kernel_impl``
@@ -32,6 +38,10 @@ Patches (name -- scope -- what in vLLM changes):
 * cpu_seeded_partial_prefill -- cpu-reference -- ``GPUModelRunner.sample_tokens`` (when vLLM
   imports it)
 * cpu_top_k_only_empty_batch -- cpu-reference -- ``topk_topp_sampler.apply_top_k_only``
+* cpu_v2_top_k_top_p_sampler -- cpu-reference -- Model Runner V2's
+  ``sample.sampler.apply_top_k_top_p`` (when vLLM imports it)
+* cpu_v2_top_k_top_p_states -- cpu-reference -- Model Runner V2's
+  ``sample.states.apply_top_k_top_p`` (when vLLM imports it)
 * cpu_onednn_packed_linear -- cpu-reference -- ``layers.utils.dispatch_cpu_unquantized_gemm``
 * cpu_reference_op_library -- cpu-reference -- ``torch.ops._C``: ops defined as a FRAGMENT
 * cpu_ops_namespace_guard -- cpu-reference -- ``type(torch.ops._C)`` swapped for a subclass
@@ -263,6 +273,8 @@ def _assigns_on_self(cls: type, name: str) -> bool:
 _DRAFTER = "vllm.v1.spec_decode.draft_model:DraftModelProposer"
 _DRAFT_GLUE = ("vllm_specx/glue/draft_passes.py", "vllm_specx/glue/mtad_proposer.py")
 
+_V2_AR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator:StandaloneARSpeculator"
+_V2_GLUE = ("vllm_specx/glue/v2_speculators.py",)
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # --- the specx drafters (subclasses of vLLM's draft-model proposer) -------------
     PrivateName(_DRAFTER, "_determine_batch_execution_and_padding", "attribute", _DRAFT_GLUE,
@@ -294,10 +306,24 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vllm.v1.attention.backend:CommonAttentionMetadata",
                 "_token_to_req_indices_cache", "field", _DRAFT_GLUE,
                 "cleared when a draft pass rebuilds the metadata for other rows"),
+    # --- the specx draft-model speculators on Model Runner V2 ---------------------------
+    PrivateName(_V2_AR, "_prefill", "attribute", _V2_GLUE,
+                "vLLM's V2 first draft pass (verified tokens + the new token + rejected "
+                "slots); the specx round starts from the hidden state it samples from"),
+    PrivateName(_V2_AR, "_run_model", "attribute", _V2_GLUE,
+                "one draft forward in vLLM's forward context (the lookahead passes)"),
+    PrivateName("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator",
+                "_copy_request_inputs", "attribute", _V2_GLUE,
+                "copies the batch's temperature, seeds and request-state rows before the "
+                "first pass, as vLLM's propose does"),
     # --- the specx sampler --------------------------------------------------------------
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),
                 "logprobs of verified tokens, computed exactly as vLLM does"),
+    PrivateName("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler",
+                "_verify", "attribute", ("vllm_specx/glue/v2_sampler.py",),
+                "Model Runner V2's verification step (warped logits in, [num_reqs, K + 1] "
+                "tokens and their count out); the specx V2 sampler overrides only it"),
     # --- the specx_mtp / specx_eagle(3) drafter (a subclass of vLLM's EagleProposer) ---
     PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "hidden_states",
                 "instance attribute", ("vllm_specx/glue/eagle_chain_proposer.py",),

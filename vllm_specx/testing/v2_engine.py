@@ -222,3 +222,9 @@ class V2EngineHost:
                 self._process.kill()
                 self._process.join(timeout=10)
         self._conn.close()
+
+
+def preemption_count(llm: Any) -> float:
+    """vLLM's preemption counter of an engine (``vllm:num_preemptions``)."""
+    return sum(float(m.value) for m in llm.get_metrics()
+               if m.name == "vllm:num_preemptions" and hasattr(m, "value"))

@@ -1,0 +1,152 @@
+"""``specx_mtp`` and ``specx_eagle3`` on Model Runner V2 (CPU platform, Triton interpreter).
+
+At a fixed K these methods draft on V2 with vLLM's own V2 speculator (``MTPSpeculator``,
+``EagleSpeculator``) and verify with the specx sampler (``SpecxV2RejectionSampler``,
+glue/v2_sampler.py), which replaces V2's ``RejectionSampler`` after ``load_model``.
+
+``specx_mtp`` on the MTP fixture (DeepSeek-V3 architecture, MLA; vLLM turns chunked
+prefill and prefix caching off for MLA on CPU), one plain and one specx engine with a KV
+cache too small for the "many" batch:
+
+* greedy output equals V2 without speculation (ragged prompts), drafts accepted and
+  rejected; a stop token and a length limit that end requests mid-draft; preemption;
+* seeded sampled requests (temperature 1, top-k 3): two-token outputs follow the target's
+  exact distribution (chi-square) and seeds reproduce.
+
+``specx_eagle3`` (fixture target + the test EAGLE-3 head): greedy output equals V2 without
+speculation. On V2 this head's drafts are never accepted, by vLLM's own ``eagle3`` either
+(V1 accepts about a fifth of them): see the README's "Which model runner".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from v2_cases import GREEDY, MTP_TARGET, PROMPTS, TARGET, build_eagle3_head
+
+pytestmark = pytest.mark.engine
+
+K = 3
+N_STAT = 160
+STAT_TOP_K = 3
+STAT_PROMPT = PROMPTS[1][:9]
+# MLA: no chunked prefill, so a step must hold a whole prompt. MLA KV is 2.25 KiB per
+# token and layer (3 target layers + the MTP layer): 1.5 MiB holds ~167 tokens with the
+# MTP layer, more than one request needs (max_model_len 128), less than the 8 "many"
+# requests (8 x ~40 tokens): the scheduler preempts.
+MTP_KWARGS: dict[str, Any] = dict(
+    max_model_len=128, max_num_batched_tokens=128, enable_prefix_caching=False,
+    max_num_seqs=16, kv_cache_memory_bytes=3 * 2**19, skip_tokenizer_init=True,
+)
+MANY = [[(11 * i + 5 * j) % 400 + 20 for i in range(24)] for j in range(8)]
+COUNTERS = "vllm_specx.testing.v2_engine:spec_decode_counters"
+
+
+@pytest.fixture(scope="module")
+def mtp(v2_engine, v2_host) -> dict[str, Any]:
+    plain = v2_engine("mtp_plain", MTP_TARGET, **MTP_KWARGS)
+    assert plain["speculator"] is None
+    ref = {"ragged": v2_host.generate("mtp_plain", PROMPTS, GREEDY),
+           "many": v2_host.generate("mtp_plain", MANY, GREEDY)}
+    v2_host.stop("mtp_plain")
+    spec = {"method": "specx_mtp", "num_speculative_tokens": K}
+    return {"ref": ref,
+            "description": v2_engine("specx_mtp", MTP_TARGET, speculative_config=spec,
+                                     **MTP_KWARGS)}
+
+
+def _delta(v2_host, key: str, run) -> tuple[Any, dict[str, float]]:
+    before = v2_host.call(key, COUNTERS)
+    out = run()
+    after = v2_host.call(key, COUNTERS)
+    return out, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def test_specx_mtp_runs_on_v2_with_vllm_drafting_and_the_specx_sampler(mtp):
+    d = mtp["description"]
+    assert d["v2"]
+    assert d["speculator"].endswith("MTPSpeculator")
+    assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
+
+
+def test_specx_mtp_greedy_equals_no_speculation(mtp, v2_host):
+    out, c = _delta(v2_host, "specx_mtp", lambda: v2_host.generate("specx_mtp", PROMPTS, GREEDY))
+    assert out == mtp["ref"]["ragged"]
+    assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"]
+
+
+def test_specx_mtp_stops_mid_draft_like_no_speculation(mtp, v2_host):
+    ref = mtp["ref"]["ragged"]
+    stop = ref[2][4]
+    sampling = [dict(GREEDY, stop_token_ids=[stop]), dict(GREEDY, max_tokens=5)]
+    out = v2_host.generate("specx_mtp", [PROMPTS[2], PROMPTS[1]], sampling)
+    assert out[0] == ref[2][: ref[2].index(stop) + 1]
+    assert out[1] == ref[1][:5]
+
+
+def test_specx_mtp_greedy_under_preemption(mtp, v2_host):
+    before = v2_host.call("specx_mtp", "vllm_specx.testing.v2_engine:preemption_count")
+    out = v2_host.generate("specx_mtp", MANY, GREEDY)
+    after = v2_host.call("specx_mtp", "vllm_specx.testing.v2_engine:preemption_count")
+    assert after > before
+    assert out == mtp["ref"]["many"]
+
+
+def _exact_two_token_distribution(model_dir: str,
+                                  prompt: list[int]) -> dict[tuple[int, int], float]:
+    """p(t1, t2 | prompt) at temperature 1, top-k STAT_TOP_K, from vLLM without
+    speculation is not exact; the transformers model is (9 sequences)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def top(ctx: list[int]) -> list[tuple[int, float]]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx])).logits[0, -1].float()
+        vals, idx = logits.topk(STAT_TOP_K)
+        return list(zip(idx.tolist(), vals.softmax(-1).tolist()))
+
+    return {(a, b): pa * pb for a, pa in top(prompt) for b, pb in top(prompt + [a])}
+
+
+def test_specx_sampler_on_v2_samples_the_target_distribution(mtp, v2_host):
+    """Chi-square of seeded two-token samples against the target's exact distribution:
+    the second token always comes out of the specx sampler (the MTP draft accepted with
+    probability p(x), or the residual p without x)."""
+    from scipy.stats import chisquare
+
+    params = [dict(temperature=1.0, top_k=STAT_TOP_K, seed=i, max_tokens=2)
+              for i in range(N_STAT)]
+    out, c = _delta(v2_host, "specx_mtp", lambda: v2_host.generate(
+        "specx_mtp", [STAT_PROMPT] * N_STAT, params))
+    samples = [tuple(t) for t in out]
+    assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"]
+    dist = _exact_two_token_distribution(MTP_TARGET, STAT_PROMPT)
+    assert set(samples) <= set(dist)
+    counts = {k: samples.count(k) for k in dist}
+    big = [k for k in dist if dist[k] * len(samples) >= 5]
+    small = [k for k in dist if k not in big]
+    observed = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
+    expected = [dist[k] * len(samples) for k in big] + (
+        [sum(dist[k] for k in small) * len(samples)] if small else [])
+    scale = sum(observed) / sum(expected)
+    _, p_value = chisquare(observed, [e * scale for e in expected])
+    assert p_value > 1e-3, (p_value, observed, expected)
+    again = v2_host.generate("specx_mtp", [STAT_PROMPT] * 16, params[:16])
+    assert [tuple(t) for t in again] == samples[:16]
+
+
+def test_specx_eagle3_greedy_equals_no_speculation(v2_engine, v2_host, v2_reference,
+                                                   tmp_path_factory):
+    head = build_eagle3_head(str(tmp_path_factory.mktemp("v2_eagle3_head")))
+    d = v2_engine("specx_eagle3", TARGET, speculative_config={
+        "method": "specx_eagle3", "model": head, "num_speculative_tokens": K})
+    assert d["speculator"].endswith("EagleSpeculator")
+    assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
+    out, c = _delta(v2_host, "specx_eagle3",
+                    lambda: v2_host.generate("specx_eagle3", PROMPTS, GREEDY))
+    v2_host.stop("specx_eagle3")
+    assert out == v2_reference
+    assert c["num_draft_tokens"] > 0

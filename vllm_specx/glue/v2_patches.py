@@ -1,0 +1,158 @@
+"""The specx seams in vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``), one named
+:class:`VllmPatch` each, listed in ``glue/patches.ALL_PATCHES`` and the manifest
+(``glue/touchpoints.py``).
+
+* ``v2_specx_speculator`` -- V2 builds its speculator in ``GPUModelRunner.__init__``
+  (``init_speculator``, an if/elif chain on vLLM's base method: ``draft_model`` gives
+  ``StandaloneARSpeculator``). When a specx method runs on V2 (``MethodSpec.runs_on_v2``),
+  the speculator is replaced right after construction, before ``load_model``, by the
+  method's ``MethodSpec.v2_speculator`` (``glue/v2_speculators.py``), built with the
+  runner so it can read the runner's sampling state.
+* ``v2_ragged_draft_lengths`` -- THE mechanism that gives V2's scheduler each request's
+  real draft length. V2 hands the scheduler ``[-1] * K`` placeholders per request
+  (``DraftTokensHandler.get_draft_tokens``) and reads the draft tokens themselves from its
+  own ``req_states.draft_tokens`` when it builds the next step's inputs, taking as many
+  per request as the scheduler scheduled. A speculator that drafts a different number of
+  tokens per request offers ``take_draft_lengths()`` (request id -> length of the last
+  round); ``take_draft_token_ids`` trims each request's list to that length, so the
+  scheduler schedules, verifies and counts exactly the drafted tokens (EMS-SD: nothing
+  padded to the longest draft), and vLLM's spec-decode metrics see the real lengths.
+
+  This works under synchronous scheduling only: the engine core then calls
+  ``take_draft_token_ids`` after every step and before scheduling the next. Under async
+  scheduling the scheduler reserves K placeholder slots per request before the drafter
+  runs, so a ragged method refuses ``async_scheduling: true`` and turns it off
+  (``speculative_config_translation``, ``MethodSpec.ragged_drafts``), on V1 and V2 alike.
+
+No V2 import at module level: the plugin registers these in every process, cheaply; the
+V2 runner module is patched when vLLM imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_specx.config import SpecxConfigError, specx_settings
+from vllm_specx.glue.patch_base import VllmPatch
+from vllm_specx.methods import METHODS
+
+logger = logging.getLogger("vllm.specx")
+
+__all__ = ["V2_PATCHES", "V2RaggedDraftLengths", "V2SpecxSampler", "V2SpecxSpeculator",
+           "install_v2_speculator"]
+
+
+def install_v2_speculator(runner: Any, settings: dict[str, Any]) -> None:
+    """Replace ``runner.speculator`` (V2) by the specx method's V2 speculator.
+
+    Called right after ``GPUModelRunner.__init__`` (V2), before ``load_model``; the
+    speculator gets the validated ``settings`` before its draft model loads."""
+    method = settings["method"]
+    spec = METHODS.get(method)
+    factory = spec.v2_speculator if spec is not None else None
+    if spec is not None and spec.v1_only_reason(settings) is None and factory is None:
+        # vLLM's own V2 speculator for the base method drafts (specx_mtp / specx_eagle3
+        # at a fixed K); the specx sampler verifies (v2_specx_sampler).
+        return
+    if spec is None or spec.v1_only_reason(settings) is not None or factory is None:
+        # specx_selects_v1_runner keeps such a method on V1; reaching this is a bug, or a
+        # V2 runner forced by another plugin.
+        raise SpecxConfigError(
+            f'speculative_config["method"] = "{method}" has no Model Runner V2 speculator '
+            f"in this version of vllm-specx ({spec.v1_reason if spec else 'unknown method'})"
+            "; run it on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)."
+        )
+    speculator = factory()(runner.vllm_config, runner.device, runner)
+    speculator.settings = dict(settings)
+    runner.speculator = speculator
+    logger.info("vllm-specx: %s on Model Runner V2 with speculator %s", method,
+                type(speculator).__name__)
+
+
+class V2SpecxSpeculator(VllmPatch):
+    name = "v2_specx_speculator"
+    target = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.__init__"
+    replaces = (
+        "Model Runner V2's GPUModelRunner.__init__ (also run by V2's CPUModelRunner), "
+        "which builds self.speculator with init_speculator for the vLLM base method"
+    )
+    why = (
+        "a specx method that runs on V2 drafts with its own V2 speculator "
+        "(MethodSpec.v2_speculator); it is swapped in right after construction, before "
+        "load_model, so its draft model loads and gets its KV cache the normal way"
+    )
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        def __init__(self_: Any, vllm_config: Any, device: Any, *args: Any, **kw: Any) -> None:
+            original(self_, vllm_config, device, *args, **kw)
+            settings = specx_settings(vllm_config)
+            # Only the last pipeline rank drafts (V2 builds no speculator elsewhere).
+            if settings and self_.speculator is not None:
+                install_v2_speculator(self_, settings)
+
+        return __init__
+
+
+class V2RaggedDraftLengths(VllmPatch):
+    name = "v2_ragged_draft_lengths"
+    target = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.take_draft_token_ids"
+    replaces = (
+        "Model Runner V2's GPUModelRunner.take_draft_token_ids, which hands the scheduler "
+        "K draft slots ([-1] * K placeholders) for every request"
+    )
+    why = (
+        "a specx speculator that drafts a different number of tokens per request "
+        "(take_draft_lengths()) must have the scheduler schedule and verify exactly "
+        "those; each request's list is trimmed to its real length (synchronous "
+        "scheduling: called after every step, before the next is scheduled)"
+    )
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        def take_draft_token_ids(self_: Any) -> Any:
+            out = original(self_)
+            take = getattr(getattr(self_, "speculator", None), "take_draft_lengths", None)
+            lengths = take() if take is not None else None
+            if out is None or not lengths:
+                return out
+            trimmed = [
+                list(ids[: lengths[req_id]]) if req_id in lengths else list(ids)
+                for req_id, ids in zip(out.req_ids, out.draft_token_ids)
+            ]
+            return type(out)(out.req_ids, trimmed)
+
+        return take_draft_token_ids
+
+
+class V2SpecxSampler(VllmPatch):
+    name = "v2_specx_sampler"
+    target = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model"
+    replaces = (
+        "Model Runner V2's GPUModelRunner.load_model, which builds self.rejection_sampler "
+        "(V2's RejectionSampler, or ModelState.custom_sampler's) for the loaded model"
+    )
+    why = (
+        "a specx method on V2 verifies with its own rule (MethodSpec.rule) through the "
+        "specx backend: V2's RejectionSampler is replaced right after load_model by its "
+        "subclass SpecxV2RejectionSampler (glue/v2_sampler.py), which changes only "
+        "_verify; vLLM's own methods keep vLLM's sampler"
+    )
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        def load_model(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self_, *args, **kwargs)
+            settings = specx_settings(self_.vllm_config)
+            if settings and getattr(self_, "rejection_sampler", None) is not None:
+                from vllm_specx.glue.v2_sampler import install_v2_sampler
+
+                install_v2_sampler(self_, settings)
+            return result
+
+        return load_model
+
+
+V2_PATCHES: tuple[VllmPatch, ...] = (V2SpecxSpeculator(), V2RaggedDraftLengths(),
+                                     V2SpecxSampler())

@@ -1,0 +1,234 @@
+"""The specx rejection sampler on Model Runner V2 (vLLM 0.32's ``vllm/v1/worker/gpu/``).
+
+V2 verifies drafts with its own ``RejectionSampler`` (``spec_decode/rejection_sampler.py``),
+built in ``GPUModelRunner.load_model``. For a specx method that runs on V2 the
+``v2_specx_sampler`` patch (``glue/v2_patches.py``) replaces it, right after ``load_model``, by
+:class:`SpecxV2RejectionSampler`: V2's class with only its ``_verify`` step replaced, so
+everything around it stays vLLM's -- the draft tokens gathered from the batch
+(``gather_draft_sampled``), chunking, logprobs of the emitted tokens, ``num_sampled`` /
+``num_rejected`` bookkeeping, NaN counting. vLLM's own methods (``eagle3``, ``mtp``,
+``draft_model`` ...) keep vLLM's sampler.
+
+``_verify`` here:
+
+* warps the target logits exactly as V2 warps them for its own verification
+  (``Sampler.apply_sampling_params``: logits processors, penalties, bad words, logit
+  bias, temperature, min-p, top-k / top-p);
+* emits the bonus / extra token itself, from the warped logits of each request's last
+  row: the argmax for greedy requests (V2's own greedy sample), else
+  ``argmax(p / Exp(1))`` (an exact draw from ``p``); it reaches the rule as a one-hot
+  bonus distribution, as on V1;
+* runs the method's rule (``MethodSpec.rule``: ``standard`` or ``mtad``) through the
+  device backend's ``verify`` (:mod:`vllm_specx.backends`), the same call the V1 sampler
+  makes (``glue/sampler.py``).
+
+Randomness: V2 has no per-request ``torch.Generator``; every request has a seed (its own,
+or one V2 drew) in ``sampling_states.seeds``. The acceptance uniforms and the residual's
+exponential noise of a request are drawn from a generator seeded with (that seed, the
+position of its first verified row), so a seeded request gives the same output run to run,
+as vLLM's V2 Gumbel sampling does.
+
+Draft probabilities ``q``: a specx speculator that drafts from a distribution (sampled
+drafts of ``adaptive``; MTAD's per-token ``q_j``) stores them with
+:func:`store_draft_q` in V2's own layout, by request-state row and draft position
+(``draft_q_by_state``: ``[max_num_reqs, K, V]`` full ``q`` or ``[max_num_reqs, K]`` for
+the drafted token only), the way V2 keeps ``draft_logits``. Without it drafts are
+one-hot (the EAGLE / MTP family and every argmax draft): the standard rule accepts
+``x`` with probability ``p(x)`` and resamples from ``p`` without ``x``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+from vllm_specx.algorithms.verify import VerifyBatch
+from vllm_specx.backends.base import Backend
+from vllm_specx.methods import METHODS
+
+logger = logging.getLogger("vllm.specx")
+
+__all__ = ["SpecxV2RejectionSampler", "install_v2_sampler", "store_draft_q"]
+
+# Seeds of the per-request generators: (V2's request seed, first verified position).
+_SEED_MIX = 1_000_003
+
+
+def store_draft_q(speculator: Any, idx_mapping: torch.Tensor, q: torch.Tensor | None,
+                  max_num_reqs: int) -> None:
+    """Keep a round's draft probabilities for the specx sampler, by request-state row.
+
+    ``q``: ``[num_reqs, K, V]`` (full draft distribution per draft position) or
+    ``[num_reqs, K]`` (the drafted token's probability, MTAD), rows in the order of the
+    round's batch (``idx_mapping``: request-state rows); None: this round's drafts are
+    one-hot (the buffer is dropped)."""
+    if q is None:
+        speculator.draft_q_by_state = None
+        return
+    shape = (max_num_reqs, *q.shape[1:])
+    buf = getattr(speculator, "draft_q_by_state", None)
+    if buf is None or tuple(buf.shape) != shape or buf.device != q.device:
+        buf = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    buf[idx_mapping[: q.shape[0]].long()] = q.to(torch.float32)
+    speculator.draft_q_by_state = buf
+
+
+def _mtad_threshold(settings: dict[str, Any], rule: str) -> float:
+    return float(settings["acceptance_threshold"]) if rule == "mtad" else 1.0
+
+
+class SpecxV2RejectionSampler(RejectionSampler):
+    """V2's ``RejectionSampler`` with the specx verification rule in ``_verify``."""
+
+    def __init__(self, sampler: Any, spec_config: Any, device: Any, settings: dict[str, Any],
+                 backend: Backend, speculator: Any) -> None:
+        super().__init__(sampler, spec_config, device)
+        self.rule = METHODS[settings["method"]].rule
+        self.acceptance_threshold = _mtad_threshold(settings, self.rule)
+        self.backend = backend
+        self.speculator = speculator
+
+    def _verify(self, logits: torch.Tensor, draft_logits: torch.Tensor | None,
+                draft_sampled: torch.Tensor, pos: torch.Tensor, cu_num_logits: torch.Tensor,
+                idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray,
+                expanded_idx_mapping: torch.Tensor, expanded_local_pos: torch.Tensor,
+                seq_lens_upper_bound_np: np.ndarray, verify_draft_sampled: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """V2's ``_verify`` contract: returns (the warped logits, ``[num_reqs, K + 1]``
+        emitted tokens, ``[num_reqs]`` how many of them are valid)."""
+        processed = self.sampler.apply_sampling_params(
+            logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, draft_sampled,
+            expanded_local_pos, seq_lens_upper_bound_np,
+        )
+        sampled, num_sampled = self.verify_rows(
+            processed, verify_draft_sampled, cu_num_logits, pos, idx_mapping,
+            idx_mapping_np, expanded_idx_mapping, expanded_local_pos)
+        return processed, sampled, num_sampled
+
+    def verify_rows(self, processed: torch.Tensor, drafts_by_row: torch.Tensor,
+                    cu_num_logits: torch.Tensor, pos: torch.Tensor, idx_mapping: torch.Tensor,
+                    idx_mapping_np: np.ndarray, expanded_idx_mapping: torch.Tensor,
+                    expanded_local_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule over V2's row layout: request ``r`` owns logits rows
+        ``cu[r] .. cu[r+1]-1``; row ``i`` of it predicts the token after draft ``i``
+        (the first row follows the last verified token), and ``drafts_by_row[row + 1]``
+        is the draft that row verifies (-1: a placeholder, always rejected)."""
+        device = processed.device
+        num_logits, vocab_size = processed.shape
+        cu = cu_num_logits.to("cpu", torch.int64)
+        num_reqs = cu.numel() - 1
+        counts = (cu[1:] - cu[:-1]).tolist()  # K_r + 1 rows per request
+        num_drafts = [c - 1 for c in counts]
+        k_max = self.num_speculative_steps
+
+        starts = cu[:-1]
+        last_rows = (cu[1:] - 1).to(device)
+        is_draft_row = torch.ones(num_logits, dtype=torch.bool)
+        is_draft_row[cu[1:] - 1] = False
+        draft_rows = is_draft_row.nonzero().squeeze(1).to(device)
+
+        logits32 = processed.to(torch.float32)
+        target_logits = logits32[draft_rows]
+        target_probs = target_logits.softmax(dim=-1)
+        target_argmax = target_logits.argmax(dim=-1)
+        drafts = drafts_by_row.to(device)[draft_rows + 1].to(torch.int64)
+        # A placeholder (-1) must be rejected by every rule: an id no distribution holds
+        # would index out of range, so it becomes a token the target gives no mass (or,
+        # for greedy rows, one different from the argmax) -- see _never_accepted.
+        drafts = self._never_accepted(drafts, target_probs, target_argmax)
+
+        sampling = self.sampler.sampling_states
+        temperature = sampling.temperature.np[idx_mapping_np]
+        is_greedy = torch.from_numpy(temperature == 0.0).to(device)
+        seeds = sampling.seeds.np[idx_mapping_np]
+        first_pos = pos.to("cpu", torch.int64)[starts].tolist()
+        uniforms = torch.empty(int(sum(num_drafts)), dtype=torch.float32, device=device)
+        exp_noise = torch.empty(num_reqs, vocab_size, dtype=torch.float32, device=device)
+        bonus_noise = torch.empty(num_reqs, vocab_size, dtype=torch.float32, device=device)
+        offset = 0
+        for r in range(num_reqs):
+            gen = torch.Generator(device=device)
+            gen.manual_seed((int(seeds[r]) * _SEED_MIX + first_pos[r]) % (2**63 - 1))
+            n = num_drafts[r]
+            uniforms[offset: offset + n] = torch.rand(n, generator=gen, device=device)
+            exp_noise[r].exponential_(generator=gen)
+            bonus_noise[r].exponential_(generator=gen)
+            offset += n
+
+        # The bonus (extra) token, drawn here from the last row's warped logits.
+        bonus_logits = logits32[last_rows]
+        bonus_sampled = (bonus_logits.softmax(dim=-1) / bonus_noise).argmax(dim=-1)
+        bonus_tokens = torch.where(is_greedy, bonus_logits.argmax(dim=-1), bonus_sampled)
+        vocab_ids = torch.arange(vocab_size, device=device)
+        bonus_probs = (vocab_ids[None, :] == bonus_tokens[:, None]).to(torch.float32)
+
+        full_q, token_q = self._draft_q(draft_rows, expanded_idx_mapping, expanded_local_pos)
+        if token_q is None and full_q is None and self.rule == "mtad":
+            token_q = torch.ones(draft_rows.numel(), dtype=torch.float32, device=device)
+        batch = VerifyBatch(
+            rule=self.rule,
+            draft_token_ids=drafts,
+            cu_num_draft_tokens=torch.tensor(np.cumsum(num_drafts), dtype=torch.int64,
+                                             device=device),
+            target_probs=target_probs,
+            bonus_probs=bonus_probs,
+            is_greedy=is_greedy,
+            uniforms=uniforms,
+            exp_noise=exp_noise,
+            max_spec_len=max(num_drafts) if num_drafts else 0,
+            target_argmax=target_argmax,
+            draft_probs=full_q,
+            draft_token_probs=token_q,
+            acceptance_threshold=self.acceptance_threshold,
+        )
+        out = self.backend.verify(batch)  # [num_reqs, max_drafts + 1], -1 padded
+        sampled = torch.zeros(num_reqs, k_max + 1, dtype=torch.int64, device=device)
+        width = min(out.shape[1], k_max + 1)
+        sampled[:, :width] = out[:, :width].clamp(min=0)
+        num_sampled = (out[:, :width] >= 0).sum(dim=1).to(torch.int32)
+        return sampled, num_sampled
+
+    @staticmethod
+    def _never_accepted(drafts: torch.Tensor, target_probs: torch.Tensor,
+                        target_argmax: torch.Tensor) -> torch.Tensor:
+        placeholder = drafts < 0
+        if not bool(placeholder.any()):
+            return drafts
+        # The least likely token: p = 0 after top-k / top-p, or the smallest p otherwise;
+        # never the argmax unless the distribution is flat, where greedy decoding would
+        # take the argmax (token 0) -- so pick index 1 then.
+        least = target_probs.argmin(dim=-1)
+        least = torch.where(least == target_argmax, (target_argmax + 1) % target_probs.shape[1],
+                            least)
+        return torch.where(placeholder, least, drafts)
+
+    def _draft_q(self, draft_rows: torch.Tensor, expanded_idx_mapping: torch.Tensor,
+                 expanded_local_pos: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(full q ``[T, V]``, drafted-token q ``[T]``) of this step's drafts from the
+        speculator's ``draft_q_by_state`` (:func:`store_draft_q`); (None, None): one-hot."""
+        q = getattr(self.speculator, "draft_q_by_state", None)
+        if q is None:
+            return None, None
+        state_rows = expanded_idx_mapping[draft_rows].long()
+        depth = expanded_local_pos[draft_rows].long()
+        picked = q[state_rows, depth]
+        return (picked, None) if q.ndim == 3 else (None, picked)
+
+
+def install_v2_sampler(runner: Any, settings: dict[str, Any]) -> None:
+    """Replace V2's ``runner.rejection_sampler`` by the specx one (after ``load_model``)."""
+    from vllm_specx.backends import select_backend
+
+    backend = select_backend()
+    runner.rejection_sampler = SpecxV2RejectionSampler(
+        runner.sampler, runner.speculative_config, runner.device, settings, backend,
+        runner.speculator,
+    )
+    logger.info("vllm-specx: %s on Model Runner V2 verifies with the specx sampler, rule %r "
+                "on the %s backend (%s)", settings["method"], runner.rejection_sampler.rule,
+                backend.name, backend.kernel_impl)
