@@ -315,6 +315,7 @@ class LoadRun:
     alive_after: bool
     seconds: float
     log: str
+    translations: list[str]  # the plugin's "method X -> vLLM Y" log lines, from the whole log
 
 
 @pytest.fixture(scope="module", params=LOAD_METHODS)
@@ -351,8 +352,10 @@ def load_run(request, tmp_path_factory, prompts) -> Iterator[LoadRun]:
         print("[load] " + json.dumps({k: v for k, v in metrics.items()
                                       if "spec_decode" in k or "preempt" in k
                                       or "request_success" in k}))
+        translations = [ln for ln in log_path.read_text(errors="replace").splitlines()
+                        if "vllm-specx: method" in ln]
         yield LoadRun(target_name, spec, dp, outcomes, metrics, health, server.proc.poll() is None,
-                      seconds, server.log_tail(20000))
+                      seconds, server.log_tail(20000), translations)
     finally:
         _stop(server)
 
@@ -368,6 +371,16 @@ def _sample(metrics: dict[str, float], name: str, **labels: str) -> float:
             values.append(value)
     assert values, f"{name}{labels or ''} missing from /metrics"
     return sum(values)
+
+
+@pytest.mark.engine
+def test_vllm_serve_ran_the_specx_method(load_run):
+    """`vllm serve --speculative-config '{"method": <specx method>, ...}'` with no user
+    import: the plugin translated the method in the server (and the counters below show its
+    drafter drafted)."""
+    method = load_run.spec["method"]
+    assert any(f"vllm-specx: method '{method}' -> vLLM" in ln for ln in load_run.translations), (
+        load_run.log[-3000:])
 
 
 @pytest.mark.engine
