@@ -13,6 +13,26 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+
+def _model_runner(spec: Any) -> dict[str, Any]:
+    """Where a method runs (README "Which model runner")."""
+    return {
+        "v2": spec.runs_on_v2,
+        "v1_only": (spec.v1_reason if not spec.runs_on_v2 else
+                    [f"{s.knob} = {str(s.value).lower()}: {s.why}"
+                     for s in spec.v1_only_settings]),
+        "v2_cudagraph": spec.v2_cudagraph if spec.runs_on_v2 else None,
+    }
+
+
+def _runner_text(spec: Any) -> str:
+    if not spec.runs_on_v2:
+        return f"V1 only: {spec.v1_reason}"
+    stays = "; ".join(f"{s.knob} = {str(s.value).lower()} stays on V1"
+                      for s in spec.v1_only_settings)
+    return "Model Runner V2 and V1" + (f" ({stays})" if stays else "")
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
@@ -22,7 +42,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         out = {
             name: {
                 "vllm_method": s.vllm_method, "lossless": s.lossless, "available": s.available,
-                "summary": s.summary,
+                "summary": s.summary, "model_runner": _model_runner(s),
                 "knobs": {k.name: {"default": k.default, "allowed": k.allowed, "help": k.help}
                           for k in s.knobs},
             }
@@ -32,7 +52,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         return 0
     for name, spec in METHODS.items():
         status = "available" if spec.available else "not available yet in this version"
-        print(f"{name}: {spec.summary} [{status}]")
+        print(f"{name}: {spec.summary} [{status}; runs on {_runner_text(spec)}]")
     print()
     print(defaults_table_markdown())
     return 0
