@@ -1,0 +1,131 @@
+"""``adaptive`` and ``mtad`` on Model Runner V2 (CPU platform, Triton interpreter), on the
+fixture pair: greedy output equals no speculation on V2, and the scheduler receives each
+request's real (ragged) draft length.
+
+One engine per method, shared by the module. V2 without speculation gives V1's tokens
+(``test_v2_harness.py``) and each method on V1 gives V1's no-speculation tokens
+(``tests/adaptive``, ``tests/mtad``), so V1 and V2 give the same tokens for these
+requests wherever these tests pass.
+
+The ``adaptive`` engine has KV for about 12 blocks of 16 tokens: nine requests (the three
+shared prompts, each with three output lengths, so requests end in the middle of an
+accepted draft) do not fit at once and the scheduler preempts; the test counts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from v2_cases import DRAFT, GREEDY, PROMPTS
+
+pytestmark = pytest.mark.engine
+
+ADAPTIVE_K = 6
+ADAPTIVE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": ADAPTIVE_K,
+            "confidence_threshold": 0.4}
+MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}
+# KV for 4 blocks of 32 tokens (target 4096 + draft 1024 bytes a token in float32): the
+# 70-token prompt's request still fits alone (max_model_len); five copies of the 17-token
+# prompt start in one block each and need a second one near their 10th output token
+# (17 + 10 + K lookahead slots > 32), which four of them cannot all have: preemption.
+SMALL_KV = {"kv_cache_memory_bytes": 660_000, "max_model_len": 96,
+            "enable_prefix_caching": False}
+OUTPUT_LENGTHS = (12, 7, 9)  # 7 and 9: requests end inside a draft (K = 6)
+
+
+def run_recorded(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """Runs in the V2 host: generate, recording every round's draft lengths (the
+    speculator's) and the lengths the scheduler received (``take_draft_token_ids``), and
+    counting preemptions."""
+    from vllm_specx.testing.v2_engine import generate_token_ids, runner_of
+
+    runner = runner_of(llm)
+    speculator = runner.speculator
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    drafted: list[dict[str, int]] = []
+    received: list[dict[str, int]] = []
+    preemptions = 0
+    take_lengths, take_ids = speculator.take_draft_lengths, runner.take_draft_token_ids
+    preempt = scheduler._preempt_request
+
+    def lengths_hook() -> Any:
+        lengths = take_lengths()
+        drafted.append(dict(lengths or {}))
+        return lengths
+
+    def ids_hook() -> Any:
+        out = take_ids()
+        if out is not None:
+            received.append({r: len(ids) for r, ids in zip(out.req_ids, out.draft_token_ids)})
+        return out
+
+    def preempt_hook(*args: Any, **kwargs: Any) -> Any:
+        nonlocal preemptions
+        preemptions += 1
+        return preempt(*args, **kwargs)
+
+    speculator.take_draft_lengths = lengths_hook
+    runner.take_draft_token_ids = ids_hook
+    scheduler._preempt_request = preempt_hook
+    try:
+        outputs = generate_token_ids(llm, prompts, samplings)
+    finally:
+        del speculator.take_draft_lengths, runner.take_draft_token_ids
+        scheduler._preempt_request = preempt
+    return {"outputs": outputs, "drafted": drafted, "received": received,
+            "preemptions": preemptions, "stats": speculator.specx_stats(),
+            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(v2_engine, v2_host) -> dict[str, Any]:
+    description = v2_engine("adaptive", speculative_config=ADAPTIVE, **SMALL_KV)
+    assert description["speculator"].endswith("AdaptiveV2Speculator"), description
+    prompts = [PROMPTS[1]] * 5 + [p for p in PROMPTS for _ in OUTPUT_LENGTHS]
+    samplings = [GREEDY] * 5 + [{**GREEDY, "max_tokens": n} for _ in PROMPTS
+                                for n in OUTPUT_LENGTHS]
+    return v2_host.call("adaptive", f"{__name__}:run_recorded", prompts, samplings)
+
+
+def test_adaptive_greedy_equals_no_speculation_on_v2(adaptive_run, v2_reference):
+    expected = [v2_reference[1]] * 5 + [ref[:n] for ref in v2_reference for n in OUTPUT_LENGTHS]
+    assert adaptive_run["outputs"] == expected
+    # The small KV cache really preempted requests in the middle of drafting rounds.
+    assert adaptive_run["preemptions"] > 0
+
+
+def test_adaptive_scheduler_receives_the_ragged_lengths_on_v2(adaptive_run):
+    # V2 schedules asynchronously by default; ragged drafts need the scheduler to see
+    # each step's drafts before the next step (glue/v2_patches.py).
+    assert adaptive_run["async_scheduling"] is False
+    drafted, received = adaptive_run["drafted"], adaptive_run["received"]
+    assert len(drafted) == len(received) > 0
+    # Every step, each request's list as the scheduler got it has the drafted length
+    # (V2 alone would give K placeholders to every request).
+    assert all(got == lengths for got, lengths in zip(received, drafted) if lengths)
+    lengths = [n for step in drafted for n in step.values()]
+    assert set(lengths) - {ADAPTIVE_K}, "no round stopped early"
+    # Lengths differ inside one batch, not only from round to round.
+    assert any(len(set(step.values())) > 1 for step in drafted)
+    histogram = adaptive_run["stats"]["length_histogram"]
+    assert sum(int(n) * c for n, c in histogram.items()) == sum(lengths)
+
+
+@pytest.fixture(scope="module")
+def mtad_run(v2_engine, v2_host) -> dict[str, Any]:
+    description = v2_engine("mtad", speculative_config=MTAD)
+    assert description["speculator"].endswith("MTADV2Speculator"), description
+    return v2_host.call("mtad", f"{__name__}:run_recorded", PROMPTS, [GREEDY] * len(PROMPTS))
+
+
+def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
+    assert mtad_run["outputs"] == v2_reference
+    stats = mtad_run["stats"]
+    # Beam search ran with every beam of a depth in one pass (the beams' own KV slots in
+    # the scratch region, as on V1) and drafted K for every request.
+    assert stats["rounds"] > 0 and stats["sequential_rounds"] == 0
+    assert stats["tail_forward_passes"] == (MTAD["num_speculative_tokens"] - 1) * stats["rounds"]
+    assert stats["drafted_tokens"] == 3 * stats["requests"]
+    assert all(not step for step in mtad_run["drafted"])  # not ragged: K placeholders
