@@ -13,9 +13,10 @@ cache too small for the "many" batch:
 * seeded sampled requests (temperature 1, top-k 3): two-token outputs follow the target's
   exact distribution (chi-square) and seeds reproduce.
 
-``specx_eagle3`` (fixture target + the test EAGLE-3 head): greedy output equals V2 without
-speculation. On V2 this head's drafts are never accepted, by vLLM's own ``eagle3`` either
-(V1 accepts about a fifth of them): see the README's "Which model runner".
+``specx_eagle3`` (fixture target + the test EAGLE-3 head, whose auxiliary layer ids only
+``eagle_config`` holds, which V2 itself does not read): greedy output equals V2 without
+speculation. On these synthetic prompts V2 accepts none of this head's drafts, with
+vLLM's own ``eagle3`` as well; on held-out text it does (README "Which model runner").
 """
 
 from __future__ import annotations

@@ -27,13 +27,12 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_
 
 def build_eagle3_head(out_dir: str) -> str:
     """The test EAGLE-3 head (``scripts/build_eagle3_fixture.py``, as tests/eagle builds
-    it), with its auxiliary layer ids also at the config's top level: vLLM 0.32's V2
-    runner reads ``eagle_aux_hidden_state_layer_ids`` only there (V1 reads
-    ``eagle_config`` too), and with the ids only in ``eagle_config`` V2 falls back to the
-    model's defaults, (2, 2, 1) for this 4-layer target: two auxiliary states for an ``fc``
-    over three, which fails in the engine (vLLM's own ``eagle3`` alike)."""
+    it). Its auxiliary layer ids are in ``eagle_config`` only, which vLLM 0.32's V2 runner
+    does not read (V1 does): for specx_eagle3 the plugin hands them to the target after
+    ``load_model`` (``glue/v2_sampler.align_eagle3_aux_layers``); without that V2 would
+    use this 4-layer target's defaults, (2, 2, 1): two auxiliary states for an ``fc``
+    over three, which fails in the engine."""
     import importlib.util
-    import json
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "build_eagle3_fixture.py"
@@ -41,9 +40,4 @@ def build_eagle3_head(out_dir: str) -> str:
     assert spec is not None and spec.loader is not None
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
-    path = Path(builder.build(Path(out_dir)))
-    config = json.loads((path / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"]
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return str(path)
+    return str(builder.build(Path(out_dir)))

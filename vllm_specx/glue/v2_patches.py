@@ -137,7 +137,9 @@ class V2SpecxSampler(VllmPatch):
         "a specx method on V2 verifies with its own rule (MethodSpec.rule) through the "
         "specx backend: V2's RejectionSampler is replaced right after load_model by its "
         "subclass SpecxV2RejectionSampler (glue/v2_sampler.py), which changes only "
-        "_verify; vLLM's own methods keep vLLM's sampler"
+        "_verify; vLLM's own methods keep vLLM's sampler. Also gives an EAGLE-3 target "
+        "the auxiliary layers the head's eagle_config names (V2 reads only the top-level "
+        "key; glue/v2_sampler.align_eagle3_aux_layers)"
     )
     lazy = True
 
@@ -146,9 +148,10 @@ class V2SpecxSampler(VllmPatch):
             result = original(self_, *args, **kwargs)
             settings = specx_settings(self_.vllm_config)
             if settings and getattr(self_, "rejection_sampler", None) is not None:
-                from vllm_specx.glue.v2_sampler import install_v2_sampler
+                from vllm_specx.glue.v2_sampler import align_eagle3_aux_layers, install_v2_sampler
 
                 install_v2_sampler(self_, settings)
+                align_eagle3_aux_layers(self_)
             return result
 
         return load_model

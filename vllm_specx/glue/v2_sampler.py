@@ -232,3 +232,27 @@ def install_v2_sampler(runner: Any, settings: dict[str, Any]) -> None:
     logger.info("vllm-specx: %s on Model Runner V2 verifies with the specx sampler, rule %r "
                 "on the %s backend (%s)", settings["method"], runner.rejection_sampler.rule,
                 backend.name, backend.kernel_impl)
+
+
+def align_eagle3_aux_layers(runner: Any) -> None:
+    """Give the target the auxiliary layers an EAGLE-3 head names in ``eagle_config``.
+
+    vLLM 0.32's V2 runner reads ``eagle_aux_hidden_state_layer_ids`` only at the top level
+    of the head's config (``eagle3_utils.get_eagle3_aux_layers_from_config``); V1 also
+    reads ``eagle_config``, where vLLM-format heads (``vllm-specx distill-eagle3``, the
+    test head) keep them. Without this, V2 falls back to the target's default layers and
+    the head's ``fc`` reads other layers than it was trained on (or too few of them). Run
+    for specx methods only, right after ``load_model`` (before any forward); vLLM's own
+    ``eagle3`` is left as vLLM has it."""
+    spec_config = runner.speculative_config
+    if spec_config is None or spec_config.method != "eagle3":
+        return
+    hf_config = spec_config.draft_model_config.hf_config
+    if getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None):
+        return  # V2 read them itself
+    eagle_config = getattr(hf_config, "eagle_config", None) or {}
+    layer_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if layer_ids:
+        runner.model.set_aux_hidden_state_layers(tuple(layer_ids))
+        logger.info("vllm-specx: EAGLE-3 auxiliary layers %s from the head's eagle_config "
+                    "(Model Runner V2 reads only the top-level key)", tuple(layer_ids))
