@@ -56,6 +56,8 @@ from vllm_specx.glue.mtad_proposer import MTADRound
 
 # vLLM's slot id for "write no KV" (vllm.v1.worker.gpu.block_table's PAD_SLOT_ID).
 PAD_SLOT_ID = -1
+# Draft generators' seeds: (V2's request seed, position of the request's new token).
+_SEED_MIX = 1_000_003
 
 __all__ = ["AdaptiveV2Speculator", "MTADV2Speculator", "SpecxV2DraftSpeculator",
            "V2LookaheadPasses"]
@@ -171,9 +173,6 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
 
     # The validated specx settings: set by install_v2_speculator before load_model.
     settings: dict[str, Any]
-    # True once a sampler that reads take_last_draft_probs() verifies on V2 (the specx
-    # sampler); until then sampled requests draft the argmax (see the module doc).
-    sampler_reads_draft_probs: bool = False
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device)
@@ -187,6 +186,16 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         self._draft_lengths: dict[str, int] | None = None
         self._first_pass: tuple[torch.Tensor, torch.Tensor] | None = None
         self._catch_first_pass = False
+
+    @property
+    def sampler_reads_draft_probs(self) -> bool:
+        """True when the runner verifies with the specx sampler on V2, which reads the
+        round's draft probabilities (``store_draft_q``); vLLM's V2 sampler treats drafts
+        as one-hot, so sampled requests then draft the argmax (see the module doc)."""
+        from vllm_specx.glue.v2_sampler import SpecxV2RejectionSampler
+
+        return isinstance(getattr(self.runner, "rejection_sampler", None),
+                          SpecxV2RejectionSampler)
 
     # -- what the rounds use -------------------------------------------------------------
 
@@ -221,9 +230,15 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         lengths, self._draft_lengths = self._draft_lengths, None
         return lengths
 
-    def sampling_view(self, input_batch: Any, temperature: torch.Tensor) -> V2Sampling:
+    def sampling_view(self, input_batch: Any, temperature: torch.Tensor, seeds: torch.Tensor,
+                      sample_positions: torch.Tensor) -> V2Sampling:
         """The batch's sampling parameters, one row per request (V2 keeps them per
-        request-state row)."""
+        request-state row).
+
+        V2 has no per-request ``torch.Generator``: every request has a seed (its own, or
+        one V2 drew). A sampled request draws its drafts from a generator seeded with (that
+        seed, the position of its new token), so a seeded request's drafts, and with them
+        its output, are the same run to run, as on V1."""
         num_reqs = input_batch.num_reqs
         idx = input_batch.idx_mapping[:num_reqs]
         temp = temperature[idx].to(torch.float32)
@@ -234,9 +249,15 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         if states is not None:
             top_k = states.top_k.gpu[idx].to(torch.int64)
             top_p = states.top_p.gpu[idx]
-        # V2 seeds requests through Gumbel noise, not torch.Generators: seeded requests
-        # draw their drafts unseeded here (the verification's output stays exact).
-        return V2Sampling(temp, top_k, top_p, {})
+        generators: dict[int, torch.Generator] = {}
+        request_seeds = seeds[idx].tolist()
+        positions = sample_positions.tolist()
+        for row in (temp >= 1e-5).nonzero().flatten().tolist():
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((int(request_seeds[row]) * _SEED_MIX + int(positions[row]))
+                            % (2**63 - 1))
+            generators[row] = gen
+        return V2Sampling(temp, top_k, top_p, generators)
 
     # -- vLLM's first pass, caught ---------------------------------------------------------
 
@@ -293,7 +314,8 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
             int(input_batch.num_tokens) + num_reqs,
             sample_positions + 1,
         )
-        drafts = self.draft_round(start, self.sampling_view(input_batch, temperature))
+        drafts = self.draft_round(
+            start, self.sampling_view(input_batch, temperature, seeds, sample_positions))
         buf = self.draft_tokens[:num_reqs]
         if isinstance(drafts, list):
             # Ragged: the scheduler gets each request's length (take_draft_lengths); the
