@@ -42,6 +42,8 @@ MTP_KWARGS: dict[str, Any] = dict(
 )
 MANY = [[(11 * i + 5 * j) % 400 + 20 for i in range(24)] for j in range(8)]
 COUNTERS = "vllm_specx.testing.v2_engine:spec_decode_counters"
+LOGPROBS = "vllm_specx.testing.v2_engine:generate_with_logprobs"
+GREEDY_LOGPROBS = dict(GREEDY, max_tokens=6, logprobs=1)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,8 @@ def mtp(v2_engine, v2_host) -> dict[str, Any]:
     plain = v2_engine("mtp_plain", MTP_TARGET, **MTP_KWARGS)
     assert plain["speculator"] is None
     ref = {"ragged": v2_host.generate("mtp_plain", PROMPTS, GREEDY),
-           "many": v2_host.generate("mtp_plain", MANY, GREEDY)}
+           "many": v2_host.generate("mtp_plain", MANY, GREEDY),
+           "logprobs": v2_host.call("mtp_plain", LOGPROBS, PROMPTS[:2], GREEDY_LOGPROBS)}
     v2_host.stop("mtp_plain")
     spec = {"method": "specx_mtp", "num_speculative_tokens": K}
     return {"ref": ref,
@@ -75,6 +78,16 @@ def test_specx_mtp_greedy_equals_no_speculation(mtp, v2_host):
     out, c = _delta(v2_host, "specx_mtp", lambda: v2_host.generate("specx_mtp", PROMPTS, GREEDY))
     assert out == mtp["ref"]["ragged"]
     assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"]
+
+
+def test_specx_mtp_logprobs_equal_no_speculation(mtp, v2_host):
+    """The emitted tokens' logprobs come out of V2's own logprob path around the specx
+    sampler, for accepted drafts and bonus tokens alike."""
+    out = v2_host.call("specx_mtp", LOGPROBS, PROMPTS[:2], GREEDY_LOGPROBS)
+    ref = mtp["ref"]["logprobs"]
+    assert [[t for t, _ in row] for row in out] == [[t for t, _ in row] for row in ref]
+    for row, ref_row in zip(out, ref):
+        assert [lp for _, lp in row] == pytest.approx([lp for _, lp in ref_row], abs=1e-4)
 
 
 def test_specx_mtp_stops_mid_draft_like_no_speculation(mtp, v2_host):

@@ -228,3 +228,16 @@ def preemption_count(llm: Any) -> float:
     """vLLM's preemption counter of an engine (``vllm:num_preemptions``)."""
     return sum(float(m.value) for m in llm.get_metrics()
                if m.name == "vllm:num_preemptions" and hasattr(m, "value"))
+
+
+def generate_with_logprobs(llm: Any, prompts: Sequence[Sequence[int]],
+                           sampling: Mapping[str, Any]) -> list[list[tuple[int, float]]]:
+    """(token id, its logprob) of each generated token (``sampling`` must ask for
+    ``logprobs``)."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                           SamplingParams(**sampling), use_tqdm=False)
+    return [[(t, float(lp[t].logprob)) for t, lp in zip(o.outputs[0].token_ids,
+                                                         o.outputs[0].logprobs)]
+            for o in outputs]
