@@ -129,3 +129,52 @@ def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
     assert stats["tail_forward_passes"] == (MTAD["num_speculative_tokens"] - 1) * stats["rounds"]
     assert stats["drafted_tokens"] == 3 * stats["requests"]
     assert all(not step for step in mtad_run["drafted"])  # not ragged: K placeholders
+
+
+# Sampled drafts: 2-token seeded samples at T = 1, top-k 3 (9 outcomes); the second token
+# is verified against the adaptive draft drawn from its warped q (full q rows reach the
+# specx sampler by request-state row).
+N_STAT = 240
+STAT_TOP_K = 3
+
+
+def sampled_run(llm: Any, prompt: list[int], n: int) -> dict[str, Any]:
+    """Runs in the V2 host: seeded samples, the same seeds again, the spec-decode
+    counters, and the shape of the draft q the specx sampler read."""
+    from vllm_specx.testing.v2_engine import generate_token_ids, runner_of, spec_decode_counters
+
+    params = [dict(temperature=1.0, top_k=STAT_TOP_K, seed=i, max_tokens=2, ignore_eos=True)
+              for i in range(n)]
+    before = spec_decode_counters(llm)
+    samples = generate_token_ids(llm, [prompt] * n, params)
+    after = spec_decode_counters(llm)
+    q = getattr(runner_of(llm).speculator, "draft_q_by_state", None)
+    return {"samples": samples, "again": generate_token_ids(llm, [prompt] * 16, params[:16]),
+            "counters": {k: after[k] - before.get(k, 0.0) for k in after},
+            "q_shape": None if q is None else list(q.shape)}
+
+
+def test_adaptive_sampled_drafts_keep_the_target_distribution_on_v2(v2_engine, v2_host):
+    from scipy.stats import chisquare
+    from test_v2_eagle_family import _exact_two_token_distribution
+    from v2_cases import TARGET
+
+    v2_engine("adaptive_stat", speculative_config=ADAPTIVE, max_num_seqs=16)
+    prompt = PROMPTS[0]
+    run = v2_host.call("adaptive_stat", f"{__name__}:sampled_run", prompt, N_STAT)
+    samples = [tuple(t) for t in run["samples"]]
+    c = run["counters"]
+    assert 0 < c["num_accepted_tokens"] < c["num_draft_tokens"]
+    assert run["q_shape"] is not None and len(run["q_shape"]) == 3  # full q per position
+    dist = _exact_two_token_distribution(TARGET, prompt)
+    assert set(samples) <= set(dist)
+    big = [k for k in dist if dist[k] * len(samples) >= 5]
+    small = [k for k in dist if k not in big]
+    observed = [samples.count(k) for k in big] + (
+        [sum(samples.count(k) for k in small)] if small else [])
+    expected = [dist[k] * len(samples) for k in big] + (
+        [sum(dist[k] for k in small) * len(samples)] if small else [])
+    scale = sum(observed) / sum(expected)
+    _, p_value = chisquare(observed, [e * scale for e in expected])
+    assert p_value > 1e-3, (p_value, observed, expected)
+    assert [tuple(t) for t in run["again"]] == samples[:16]  # seeded drafts reproduce
