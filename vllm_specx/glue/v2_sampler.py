@@ -135,11 +135,11 @@ class SpecxV2RejectionSampler(RejectionSampler):
         target_logits = logits32[draft_rows]
         target_probs = target_logits.softmax(dim=-1)
         target_argmax = target_logits.argmax(dim=-1)
+        # A placeholder (-1: no draft at that slot, e.g. a step starting inside the
+        # prefill, or a draft the grammar forbids) goes to the rule as is: every rule
+        # rejects an id outside the vocabulary, and the standard rule's residual for it is
+        # p itself (algorithms/verify.py), what a non-proposal deserves.
         drafts = drafts_by_row.to(device)[draft_rows + 1].to(torch.int64)
-        # A placeholder (-1) must be rejected by every rule: an id no distribution holds
-        # would index out of range, so it becomes a token the target gives no mass (or,
-        # for greedy rows, one different from the argmax) -- see _never_accepted.
-        drafts = self._never_accepted(drafts, target_probs, target_argmax)
 
         sampling = self.sampler.sampling_states
         temperature = sampling.temperature.np[idx_mapping_np]
@@ -191,20 +191,6 @@ class SpecxV2RejectionSampler(RejectionSampler):
         sampled[:, :width] = out[:, :width].clamp(min=0)
         num_sampled = (out[:, :width] >= 0).sum(dim=1).to(torch.int32)
         return sampled, num_sampled
-
-    @staticmethod
-    def _never_accepted(drafts: torch.Tensor, target_probs: torch.Tensor,
-                        target_argmax: torch.Tensor) -> torch.Tensor:
-        placeholder = drafts < 0
-        if not bool(placeholder.any()):
-            return drafts
-        # The least likely token: p = 0 after top-k / top-p, or the smallest p otherwise;
-        # never the argmax unless the distribution is flat, where greedy decoding would
-        # take the argmax (token 0) -- so pick index 1 then.
-        least = target_probs.argmin(dim=-1)
-        least = torch.where(least == target_argmax, (target_argmax + 1) % target_probs.shape[1],
-                            least)
-        return torch.where(placeholder, least, drafts)
 
     def _draft_q(self, draft_rows: torch.Tensor, expanded_idx_mapping: torch.Tensor,
                  expanded_local_pos: torch.Tensor
