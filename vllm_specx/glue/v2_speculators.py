@@ -38,7 +38,8 @@ What differs from V1:
   V2 ``RejectionSampler`` treats drafts as one-hot, lossless only for argmax drafts)
   sampled requests draft the argmax.
 * A draft with another tokenizer never reaches V2: vLLM 0.32 itself keeps
-  heterogeneous-vocabulary drafts on V1.
+  heterogeneous-vocabulary drafts on V1 (logged), and refuses a forced
+  ``VLLM_USE_V2_MODEL_RUNNER=1`` for them before start (checked with ``mtad``).
 """
 
 from __future__ import annotations
