@@ -362,6 +362,9 @@ ADAPTIVE_STOP_NEEDS_V1 = V1OnlySetting(
     "the adaptive stop over MTP layers and EAGLE heads runs in the V1 chain drafter "
     "(glue/eagle_chain_proposer.py); on V2 these methods draft a fixed K",
 )
+# What keeps the EAGLE / MTP family's adaptive stop on V1: nothing since its V2 round
+# (glue/v2_eagle.py) passed tests/v2; (ADAPTIVE_STOP_NEEDS_V1,) puts it back on V1.
+V2_ADAPTIVE_STOP: tuple[V1OnlySetting, ...] = ()
 
 
 def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -> MethodSpec:
@@ -389,11 +392,13 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
         ragged_drafts=True,  # the adaptive stop drafts per-request lengths
         engine_checks=(named("vllm_specx.glue.patches:require_eagle_head_fits_target"),),
         vllm_alias=vllm_method,
-        # On V2 with a fixed K: vLLM's own V2 EagleSpeculator drafts (the argmax chain
-        # the V1 chain drafter runs at fixed K), the specx sampler verifies.
+        # On V2: vLLM's own V2 EagleSpeculator at a fixed K (the argmax chain the V1 chain
+        # drafter runs at fixed K); with adaptive: true the chain round over it
+        # (glue/v2_eagle.py). The specx sampler verifies.
         runs_on_v2=runs_on_v2,
+        v2_speculator=named("vllm_specx.glue.v2_eagle:EagleChainV2Speculator"),
         v1_reason="not run on Model Runner V2 yet: there is no EAGLE (one-layer) test head",
-        v1_only_settings=(ADAPTIVE_STOP_NEEDS_V1,),
+        v1_only_settings=V2_ADAPTIVE_STOP,
         v2_cudagraph="captured",
     )
 
@@ -467,9 +472,11 @@ METHODS: dict[str, MethodSpec] = {
             ),
             engine_checks=(named("vllm_specx.glue.patches:require_mtp_layers"),),
             vllm_alias="mtp",
-            # As the EAGLE heads: fixed K on V2 with vLLM's own V2 MTP speculator.
+            # As the EAGLE heads: vLLM's own V2 MTP speculator at a fixed K, the chain
+            # round over it with adaptive: true (glue/v2_eagle.py).
             runs_on_v2=True,
-            v1_only_settings=(ADAPTIVE_STOP_NEEDS_V1,),
+            v2_speculator=named("vllm_specx.glue.v2_eagle:MtpChainV2Speculator"),
+            v1_only_settings=V2_ADAPTIVE_STOP,
             v2_cudagraph="captured",
         ),
         _eagle_head_spec("specx_eagle", "eagle", "an EAGLE head (one decoder layer)",

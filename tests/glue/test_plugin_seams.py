@@ -191,8 +191,8 @@ def test_ragged_draft_methods_run_with_synchronous_scheduling(model_dir):
 
 def test_v2_runner_request_is_refused_for_what_runs_on_v1_only(model_dir, monkeypatch):
     """Forcing V2 is refused, naming the reason, for a method that runs on V1 only
-    (specx_eagle) and for a setting that keeps a V2 method on V1 (an adaptive stop over
-    an EAGLE head): README "Which model runner"."""
+    (specx_eagle) and for a setting that keeps a V2 method on V1: README "Which model
+    runner"."""
     for name, spec in METHODS.items():
         monkeypatch.setitem(METHODS, name, dataclasses.replace(spec, available=True))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -200,7 +200,14 @@ def test_v2_runner_request_is_refused_for_what_runs_on_v1_only(model_dir, monkey
     with pytest.raises(ValueError, match="V1 model runner only .*no EAGLE") as err:
         engine_config(model_dir, {"method": "specx_eagle", "model": model_dir})
     assert "\n" not in str(err.value)
-    assert METHODS["specx_eagle3"].runs_on_v2
+    # A setting that keeps a V2 method on V1 (MethodSpec.v1_only_settings; none ships
+    # today: the EAGLE / MTP adaptive stop runs on V2 too) is refused the same way.
+    from vllm_specx.methods import ADAPTIVE_STOP_NEEDS_V1
+
+    eagle3 = dataclasses.replace(METHODS["specx_eagle3"],
+                                 v1_only_settings=(ADAPTIVE_STOP_NEEDS_V1,))
+    monkeypatch.setitem(METHODS, "specx_eagle3", eagle3)
+    assert eagle3.v1_only_reason({"adaptive": False}) is None
     with pytest.raises(ValueError, match="V1 model runner only .adaptive = true"):
         engine_config(model_dir, {"method": "specx_eagle3", "model": model_dir,
                                   "adaptive": True})

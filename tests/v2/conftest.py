@@ -7,8 +7,12 @@ How to use (vllm_specx/testing/v2_engine.py says why a child process):
   engine once (returns which runner / speculator / sampler it built: assert ``"v2"``),
   ``v2_host.generate(key, prompts, sampling)`` returns token ids,
   ``v2_host.call(key, "module:function", *args)`` runs ``function(llm, *args)`` there,
-  ``v2_host.stop(key)`` frees it. Start each configuration once per module
-  (module-scoped fixtures), stop it at module end: the interpreter is ~10x slower.
+  ``v2_host.stop(key)`` frees it. Run ONE engine at a time: stopping an engine tears
+  down vLLM's process-wide parallel state (``pipeline model parallel group is not
+  initialized`` in any engine still running), so stop the others before starting
+  one (``v2_reference`` starts and stops one too). Start each configuration once per
+  module (module-scoped fixtures), stop it at module end: the interpreter is ~10x
+  slower.
 * ``v2_engine(key, model, **kwargs)``: a factory fixture for module fixtures that
   starts an engine, asserts it runs on V2, and stops it at module end.
 * ``v2_reference``: greedy token ids of the fixture target without speculation on V2

@@ -1,8 +1,10 @@
 """``specx_mtp`` and ``specx_eagle3`` on Model Runner V2 (CPU platform, Triton interpreter).
 
 At a fixed K these methods draft on V2 with vLLM's own V2 speculator (``MTPSpeculator``,
-``EagleSpeculator``) and verify with the specx sampler (``SpecxV2RejectionSampler``,
-glue/v2_sampler.py), which replaces V2's ``RejectionSampler`` after ``load_model``.
+``EagleSpeculator``; glue/v2_eagle.py keeps their ``propose``), with ``adaptive: true``
+with the V1 chain round after vLLM's first pass; they verify with the specx sampler
+(``SpecxV2RejectionSampler``, glue/v2_sampler.py), which replaces V2's
+``RejectionSampler`` after ``load_model``.
 
 ``specx_mtp`` on the MTP fixture (DeepSeek-V3 architecture, MLA; vLLM turns chunked
 prefill and prefix caching off for MLA on CPU), one plain and one specx engine with a KV
@@ -11,12 +13,15 @@ cache too small for the "many" batch:
 * greedy output equals V2 without speculation (ragged prompts), drafts accepted and
   rejected; a stop token and a length limit that end requests mid-draft; preemption;
 * seeded sampled requests (temperature 1, top-k 3): two-token outputs follow the target's
-  exact distribution (chi-square) and seeds reproduce.
+  exact distribution (chi-square) and seeds reproduce;
+* ``adaptive: true`` (a third engine): greedy output equals no speculation, a stop token
+  mid-draft, and the scheduler sees ragged draft lengths.
 
-``specx_eagle3`` (fixture target + the test EAGLE-3 head, whose auxiliary layer ids only
-``eagle_config`` holds, which V2 itself does not read): greedy output equals V2 without
-speculation. On these synthetic prompts V2 accepts none of this head's drafts, with
-vLLM's own ``eagle3`` as well; on held-out text it does (README "Which model runner").
+``specx_eagle3`` with the adaptive stop (fixture target + the test EAGLE-3 head, whose
+auxiliary layer ids only ``eagle_config`` holds, which V2 itself does not read): greedy
+output equals V2 without speculation, drafts ragged. On these synthetic prompts neither
+runner accepts this head's drafts (vLLM's own ``eagle3`` neither); on held-out text both
+accept the same (README "Which model runner").
 """
 
 from __future__ import annotations
@@ -70,8 +75,22 @@ def _delta(v2_host, key: str, run) -> tuple[Any, dict[str, float]]:
 def test_specx_mtp_runs_on_v2_with_vllm_drafting_and_the_specx_sampler(mtp):
     d = mtp["description"]
     assert d["v2"]
-    assert d["speculator"].endswith("MTPSpeculator")
+    # vLLM's MTPSpeculator (its own propose at a fixed K), the specx round with adaptive.
+    assert d["speculator"] == "vllm_specx.glue.v2_eagle.MtpChainV2Speculator"
     assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
+
+
+def _only_engine(v2_host) -> None:
+    """Stop every engine in the host before starting another: stopping an engine tears
+    down vLLM's process-wide parallel state, which one still running would need."""
+    for key in list(v2_host.running):
+        v2_host.stop(key)
+
+
+def _assert_ragged(c: dict[str, float], k: int) -> None:
+    """The scheduler saw each request's own draft length: between 1 and K per draft, and
+    not K for every one."""
+    assert c["num_drafts"] < c["num_draft_tokens"] < k * c["num_drafts"]
 
 
 def test_specx_mtp_greedy_equals_no_speculation(mtp, v2_host):
@@ -152,15 +171,41 @@ def test_specx_sampler_on_v2_samples_the_target_distribution(mtp, v2_host):
     assert [tuple(t) for t in again] == samples[:16]
 
 
-def test_specx_eagle3_greedy_equals_no_speculation(v2_engine, v2_host, v2_reference,
-                                                   tmp_path_factory):
+def test_specx_eagle3_adaptive_greedy_equals_no_speculation(v2_engine, v2_host, v2_reference,
+                                                            tmp_path_factory):
+    """specx_eagle3 with the adaptive confidence stop on V2, over the test head (its
+    auxiliary layer ids in eagle_config only): greedy == no speculation, ragged drafts."""
+    k = 4
+    _only_engine(v2_host)
     head = build_eagle3_head(str(tmp_path_factory.mktemp("v2_eagle3_head")))
     d = v2_engine("specx_eagle3", TARGET, speculative_config={
-        "method": "specx_eagle3", "model": head, "num_speculative_tokens": K})
-    assert d["speculator"].endswith("EagleSpeculator")
+        "method": "specx_eagle3", "model": head, "num_speculative_tokens": k,
+        "adaptive": True, "confidence_threshold": 0.3})
+    assert d["speculator"] == "vllm_specx.glue.v2_eagle.EagleChainV2Speculator"
     assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
     out, c = _delta(v2_host, "specx_eagle3",
                     lambda: v2_host.generate("specx_eagle3", PROMPTS, GREEDY))
     v2_host.stop("specx_eagle3")
     assert out == v2_reference
-    assert c["num_draft_tokens"] > 0
+    _assert_ragged(c, k)
+
+
+def test_specx_mtp_adaptive_on_v2_greedy_ragged(mtp, v2_engine, v2_host):
+    """The adaptive stop on V2 (the V1 chain round over vLLM's V2 MTP first pass): greedy
+    output equals no speculation, with a stop token ending one request mid-draft, and the
+    scheduler gets ragged draft lengths (G2's v2_ragged_draft_lengths)."""
+    k = 4
+    _only_engine(v2_host)
+    d = v2_engine("specx_mtp_adaptive", MTP_TARGET, speculative_config={
+        "method": "specx_mtp", "num_speculative_tokens": k, "adaptive": True}, **MTP_KWARGS)
+    assert d["speculator"] == "vllm_specx.glue.v2_eagle.MtpChainV2Speculator"
+    ref = mtp["ref"]["ragged"]
+    stop = ref[2][4]
+    sampling = [GREEDY, GREEDY, dict(GREEDY, stop_token_ids=[stop])]
+    out, c = _delta(v2_host, "specx_mtp_adaptive",
+                    lambda: v2_host.generate("specx_mtp_adaptive", PROMPTS, sampling))
+    v2_host.stop("specx_mtp_adaptive")
+    assert out[:2] == ref[:2]
+    assert out[2] == ref[2][: ref[2].index(stop) + 1]
+    assert 0 < c["num_accepted_tokens"]
+    _assert_ragged(c, k)

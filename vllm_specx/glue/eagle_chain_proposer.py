@@ -48,18 +48,46 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule
 from vllm_specx.config import specx_settings
-from vllm_specx.glue.chain_drafter import ChainDrafter
+from vllm_specx.glue.chain_drafter import ChainDrafter, ChainRound
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import METHODS
 
 
-class EagleChainProposer(ChainDrafter, EagleProposer):
-    """Chain drafting with a per-request stop and a shrinking batch over vLLM's
-    ``EagleProposer`` (see the module doc); the specx method's ``vllm_method`` says which
-    draft (``mtp``, ``eagle`` or ``eagle3``) vLLM built."""
+class EagleRoundHooks(ChainRound):
+    """The chain round's hooks for MTP layers and EAGLE heads (see the module doc), over
+    any runner: :class:`EagleChainProposer` on V1 and the Model Runner V2 speculators of
+    ``glue/v2_eagle.py``. Needs ``hidden_states`` (the buffer the next pass reads)."""
 
     # The next pass reads the draft's hidden state of the step before.
     feeds_hidden = True
+    hidden_states: torch.Tensor
+
+    def stop_rule(self, k_max: int) -> DraftStopRule:
+        """Fixed K without ``adaptive``; else the adaptive rule of the round."""
+        if not self.settings.get("adaptive"):
+            return AlwaysContinue(k_max)
+        return super().stop_rule(k_max)
+
+    def drafts_argmax(self) -> bool:
+        # Every request drafts the argmax (one-hot q); the probabilities the draw returns
+        # (warped for sampled requests) feed the confidence rule only.
+        return True
+
+    def read_pass(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out`` is ``[LM-head input | fed-back hidden state]`` (see :meth:`run_model`):
+        the LM head reads the first half, the next step and the acceptance head the
+        second."""
+        width = out.shape[-1] // 2
+        return out[:, :width], out[:, width:]
+
+    def feed_hidden(self, hidden: torch.Tensor) -> None:
+        self.hidden_states[: hidden.shape[0]] = hidden
+
+
+class EagleChainProposer(EagleRoundHooks, ChainDrafter, EagleProposer):
+    """Chain drafting with a per-request stop and a shrinking batch over vLLM's
+    ``EagleProposer`` (see the module doc); the specx method's ``vllm_method`` says which
+    draft (``mtp``, ``eagle`` or ``eagle3``) vLLM built."""
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
@@ -82,29 +110,6 @@ class EagleChainProposer(ChainDrafter, EagleProposer):
             else:  # positional: (K, token ids, positions, hidden states, ...)
                 args = (*args[:3], self.model.combine_hidden_states(args[3]), *args[4:])
         return super().propose(*args, **kwargs)
-
-    # -- hooks --------------------------------------------------------------------------
-
-    def stop_rule(self, k_max: int) -> DraftStopRule:
-        """Fixed K without ``adaptive``; else the adaptive rule of the round."""
-        if not self.settings.get("adaptive"):
-            return AlwaysContinue(k_max)
-        return super().stop_rule(k_max)
-
-    def drafts_argmax(self) -> bool:
-        # Every request drafts the argmax (one-hot q); the probabilities the draw returns
-        # (warped for sampled requests) feed the confidence rule only.
-        return True
-
-    def read_pass(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out`` is ``[LM-head input | fed-back hidden state]`` (see :meth:`run_model`):
-        the LM head reads the first half, the next step and the acceptance head the
-        second."""
-        width = out.shape[-1] // 2
-        return out[:, :width], out[:, width:]
-
-    def feed_hidden(self, hidden: torch.Tensor) -> None:
-        self.hidden_states[: hidden.shape[0]] = hidden
 
     def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:
         """One draft forward. The lookahead passes build draft-model inputs; the draft also

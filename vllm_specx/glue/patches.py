@@ -151,8 +151,10 @@ def require_eagle_head_fits_target(target_model_config: Any, settings: dict[str,
 
 # What each MethodSpec.v2_cudagraph value means, as logged before the engine starts.
 V2_CUDAGRAPH_DECLARATION: dict[str, str] = {
-    "captured": "drafting by vLLM's own V2 speculator, which takes part in V2's CUDA-graph "
-    "capture; the specx sampler runs outside graphs, as V2's sampler does",
+    "captured": "at a fixed K drafting by vLLM's own V2 speculator, which takes part in "
+    "V2's CUDA-graph capture; with adaptive: true the specx round after vLLM's first "
+    "draft pass runs eager (its batch shrinks within a round); the specx sampler runs "
+    "outside graphs, as V2's sampler does",
     "eager": "the specx speculator captures no CUDA graph (its draft batch changes shape "
     "within a round) and runs eager in every capture mode; V2 captures the target model "
     "as usual; the specx sampler runs outside graphs, as V2's sampler does",

@@ -320,6 +320,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),
                 "logprobs of verified tokens, computed exactly as vLLM does"),
+    PrivateName("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:"
+                "TargetDependentARSpeculator", "_run_model", "attribute",
+                ("vllm_specx/glue/v2_eagle.py",),
+                "one MTP / EAGLE draft forward over the speculator's input buffers and "
+                "hidden_states; the adaptive round's lookahead passes call it"),
     PrivateName("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler",
                 "_verify", "attribute", ("vllm_specx/glue/v2_sampler.py",),
                 "Model Runner V2's verification step (warped logits in, [num_reqs, K + 1] "

@@ -1,0 +1,146 @@
+"""``specx_mtp`` and ``specx_eagle3`` as Model Runner V2 speculators (vLLM glue, checked on
+vLLM 0.32's ``vllm/v1/worker/gpu/spec_decode/``).
+
+V2 drafts MTP layers and EAGLE heads with ``MTPSpeculator`` / ``EagleSpeculator`` (both
+``TargetDependentARSpeculator``): a first pass over the verified tokens (the target's
+hidden states, for EAGLE-3 combined by the head's ``fc``), then K - 1 fixed decode steps.
+The speculators here are those classes:
+
+* at a **fixed K** (no ``adaptive``) they are vLLM's speculators unchanged, CUDA-graph
+  capture included: ``propose`` is vLLM's;
+* with ``adaptive: true`` the first pass is still vLLM's (its ``propose`` asked for one
+  token), and the rest of the round is the V1 chain drafter's own round and hooks
+  (:class:`~.chain_drafter.ChainRound`, :class:`~.eagle_chain_proposer.EagleRoundHooks`:
+  per-request stop, a batch that shrinks as requests stop, the draft's own hidden state
+  fed back), with the draft-model speculators' V2 lookahead passes
+  (:class:`~.v2_speculators.V2LookaheadPasses`, over V2's block tables) and their
+  ragged-length hand-over to the scheduler (``take_draft_lengths``, read by the
+  ``v2_ragged_draft_lengths`` patch). Those passes run eager: their batch shrinks
+  within a round.
+
+Drafts are the argmax (one-hot ``q``), verified by the specx sampler on V2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
+
+from vllm_specx.glue.draft_passes import RoundStart
+from vllm_specx.glue.eagle_chain_proposer import EagleRoundHooks
+from vllm_specx.glue.v2_speculators import SpecxV2DraftSpeculator, V2Batch
+
+__all__ = ["EagleChainV2Speculator", "MtpChainV2Speculator"]
+
+
+class _ChainOverTargetDependentAR(EagleRoundHooks):
+    """The adaptive round over a V2 ``TargetDependentARSpeculator`` (see the module doc).
+    Mixed in before vLLM's speculator class."""
+
+    # The validated specx settings: set by install_v2_speculator before load_model.
+    settings: dict[str, Any]
+
+    # The draft-model speculators' V2 plumbing, shared as is (plain functions of the
+    # speculator's attributes: runner, device, block_tables, kv_cache_config).
+    lookahead_passes = SpecxV2DraftSpeculator.lookahead_passes
+    sampling_view = SpecxV2DraftSpeculator.sampling_view
+    take_draft_lengths = SpecxV2DraftSpeculator.take_draft_lengths
+    take_last_draft_probs = SpecxV2DraftSpeculator.take_last_draft_probs
+    _draft_group = SpecxV2DraftSpeculator._draft_group
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config, device)
+        self.runner = runner
+        self._last_draft_probs: torch.Tensor | None = None
+        self._draft_lengths: dict[str, int] | None = None
+        self._first_lm_in: torch.Tensor | None = None
+        self._catch_first_pass = False
+
+    def sample_draft(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+                     ) -> torch.Tensor:
+        if not self._catch_first_pass:
+            return super().sample_draft(hidden_states, *args, **kwargs)
+        # vLLM's first pass: the LM-head input at each request's new token. The round
+        # draws Y_1 from it itself.
+        self._first_lm_in = hidden_states.clone()
+        return torch.zeros(hidden_states.shape[0], dtype=torch.int64,
+                           device=hidden_states.device)
+
+    def _run_model(self, first: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``_run_model(num_tokens, ...)``, or, called by the V2 lookahead passes
+        as the draft-model speculators' ``_run_model(input_ids, positions, attn_metadata,
+        slot_mappings, num_tokens_across_dp)``, one lookahead pass: the tokens go to
+        the input buffers, the draft reads ``hidden_states`` (:meth:`feed_hidden`), and
+        the result is ``[LM-head input | fed-back hidden state]`` per token."""
+        if not isinstance(first, torch.Tensor):
+            return super()._run_model(first, *args, **kwargs)
+        positions, attn_metadata, slot_mappings = args[0], args[1], args[2]
+        n = first.shape[0]
+        self.input_buffers.input_ids[:n] = first.to(self.input_buffers.input_ids.dtype)
+        self.input_buffers.positions[:n] = positions.to(self.input_buffers.positions.dtype)
+        for_lm_head, fed_back = super()._run_model(n, attn_metadata, slot_mappings, None)
+        return torch.cat([for_lm_head[:n], fed_back[:n]], dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, input_batch: Any, attn_metadata: Any, slot_mappings: Any,
+                last_hidden_states: torch.Tensor, aux_hidden_states: Any,
+                num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+                last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
+                temperature: torch.Tensor, seeds: torch.Tensor, dp_sync_state: Any = None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs: Any = None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        k = self.num_speculative_steps if num_speculative_tokens is None else int(
+            num_speculative_tokens)
+        args = (input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds)
+        kwargs = dict(dp_sync_state=dp_sync_state, dummy_run=dummy_run,
+                      skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
+                      is_profile=is_profile)
+        self._draft_lengths = None
+        if dummy_run or not self.settings.get("adaptive") or k <= 1:
+            return super().propose(*args, num_speculative_tokens=num_speculative_tokens,
+                                   **kwargs)
+        num_reqs = input_batch.num_reqs
+        self._catch_first_pass = True
+        try:
+            super().propose(*args, num_speculative_tokens=1, **kwargs)
+        finally:
+            self._catch_first_pass = False
+        assert self._first_lm_in is not None
+        lm_in, self._first_lm_in = self._first_lm_in, None
+        # P: the first pass's position of each request's last row (the next pass feeds
+        # Y_1 at P + 1, as vLLM's decode steps do); _prefill left it in the buffers.
+        sample_positions = self.input_buffers.positions[:num_reqs].to(torch.int64).clone()
+        fed_back = self.hidden_states[:num_reqs].clone()
+        start = RoundStart(
+            k, num_reqs, torch.cat([lm_in, fed_back], dim=-1), sample_positions,
+            V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs],
+                    self.block_tables.block_tables[self._draft_group()].gpu[
+                        input_batch.idx_mapping[:num_reqs]]),
+            int(input_batch.num_tokens), sample_positions + 1,
+        )
+        drafts = self.draft_round(
+            start, self.sampling_view(input_batch, temperature, seeds, sample_positions))
+        buf = self.draft_tokens[:num_reqs]
+        buf.zero_()
+        for row, ids in enumerate(drafts):
+            if ids:
+                buf[row, : len(ids)] = torch.tensor(ids, dtype=buf.dtype)
+        self._draft_lengths = {req_id: len(ids)
+                               for req_id, ids in zip(input_batch.req_ids, drafts)}
+        return buf
+
+
+class MtpChainV2Speculator(_ChainOverTargetDependentAR, MTPSpeculator):
+    """``specx_mtp`` on Model Runner V2: vLLM's ``MTPSpeculator``, with the adaptive round
+    when ``adaptive: true``."""
+
+
+class EagleChainV2Speculator(_ChainOverTargetDependentAR, EagleSpeculator):
+    """``specx_eagle3`` on Model Runner V2: vLLM's ``EagleSpeculator``, with the adaptive
+    round when ``adaptive: true``."""
