@@ -134,7 +134,7 @@ def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
 # Sampled drafts: 2-token seeded samples at T = 1, top-k 3 (9 outcomes); the second token
 # is verified against the adaptive draft drawn from its warped q (full q rows reach the
 # specx sampler by request-state row).
-N_STAT = 240
+N_STAT = 160
 STAT_TOP_K = 3
 
 
