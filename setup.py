@@ -31,8 +31,8 @@ setup(
     install_requires=["packaging"],
     extras_require={
         "vllm": [f"vllm{SUPPORTED_VLLM}", *REAL_PAIR],
-        "test": ["pytest>=8", "ruff>=0.6", "scipy", "transformers", "tokenizers", "safetensors",
-                 *REAL_PAIR],
+        "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "scipy", "transformers", "tokenizers",
+                 "safetensors", *REAL_PAIR],
         "bench": ["matplotlib", "tqdm", *REAL_PAIR],
     },
     entry_points={

@@ -5,7 +5,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "[test] ruff check" >&2
 ruff check .
 set +e
-python -m pytest "$@"
+# Two pytest-xdist workers, one test directory per worker at a time (tests/conftest.py groups
+# them): most tests drive one single-threaded engine, so the two cores run two directories
+# at once. VLLM_SPECX_TEST_WORKERS=0 runs everything in this process.
+python -m pytest -n "${VLLM_SPECX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of this script's purpose.

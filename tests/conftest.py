@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,31 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Directories whose tests take longest (engines in several processes, the Triton interpreter),
+# handed to the xdist workers first so that no long directory starts last and runs alone.
+SLOWEST_DIRECTORIES_FIRST = ("load", "v2", "parallel", "glue", "mtad", "mtp", "eagle",
+                             "training", "adaptive", "engine")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the tests by their directory under tests/ for pytest-xdist's ``loadgroup``
+    (scripts/test.sh runs two workers): a directory's session-scoped fixtures (its models,
+    heads and shared engines) are then built once, in one worker, not once per worker. In
+    an xdist worker the slowest directories also come first (scripts/test.sh passes
+    ``--no-loadscope-reorder`` so the workers take them in this order)."""
+    tests_root = Path(__file__).parent
+
+    def directory(item: pytest.Item) -> str:
+        try:
+            return item.path.relative_to(tests_root).parts[0]
+        except ValueError:
+            return ""
+
+    for item in items:
+        if directory(item):
+            item.add_marker(pytest.mark.xdist_group(directory(item)))
+    if hasattr(config, "workerinput"):
+        rank = {name: i for i, name in enumerate(SLOWEST_DIRECTORIES_FIRST)}
+        items.sort(key=lambda item: rank.get(directory(item), len(rank)))  # stable
