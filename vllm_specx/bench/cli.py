@@ -49,7 +49,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
             "pair: SmolLM2-135M-Instruct, fetched and converted once by `vllm-specx "
             "fetch-target`, with the drafter shipped in the package; "
             f"{DEFAULT_NUM_PROMPTS} held-out prompts x {DEFAULT_MAX_TOKENS} tokens, "
-            "ngram and draft_model with K=4 plus the available specx methods) take several "
+            "ngram and draft_model with K=4 plus the available specx methods, and on the "
+            "real pair vLLM's eagle3 and specx_eagle3 over the shipped EAGLE-3 head) take several "
             "minutes on a laptop CPU; --pair fixture runs the tests' tiny pair in a few."
         ),
     )
