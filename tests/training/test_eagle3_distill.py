@@ -178,3 +178,42 @@ def test_bad_input_is_refused_in_one_line(tmp_path, capsys, extra, key):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and key in err and "allowed" in err
     assert not (tmp_path / "head").exists()
+
+
+def test_shipped_smollm2_head_fits_the_real_target_and_is_in_the_bench_defaults():
+    """The head shipped as package data: vLLM's eagle3 format for SmolLM2-135M-Instruct
+    (width 576, vocabulary 49152, vLLM's default aux layers), within the 30 MB budget, its
+    REPORT.json from vLLM with greedy output equal at every K; the real pair's bench
+    defaults run vLLM's eagle3 and specx_eagle3 over it."""
+    import argparse
+
+    from safetensors import safe_open
+
+    from vllm_specx.bench.cli import REAL_PAIR_EAGLE3_K, _parsed_configs
+    from vllm_specx.real_pair import eagle3_dir
+
+    head = eagle3_dir()
+    assert head is not None
+    config = json.loads((head / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (config["hidden_size"], config["target_hidden_size"], config["vocab_size"]) == (
+        576, 576, 49152)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert (head / "model.safetensors").stat().st_size <= 30 * 2**20
+    with safe_open(str(head / "model.safetensors"), "pt") as f:
+        d2t = f.get_tensor("d2t")
+        assert f.get_tensor("lm_head.weight").shape == (config["draft_vocab_size"], 576)
+    target_ids = torch.arange(len(d2t)) + d2t
+    assert int(target_ids.min()) >= 0 and int(target_ids.max()) < 49152
+    report = json.loads((head / "REPORT.json").read_text())
+    assert report["stages"]["vocab"]["coverage_heldout_target_greedy"] >= 0.95
+    served = report["vllm_heldout"]
+    assert all(served[f"k={k}"]["greedy_equal_to_no_speculation"] for k in (1, 2, 3, 4))
+    assert served["k=3"]["block_efficiency"] > served["k=1"]["block_efficiency"] > 1.0
+    args = argparse.Namespace(config=None, num_speculative_tokens=None)
+    configs = [cfg for _, cfg in _parsed_configs(args, "real")]
+    assert {"method": "eagle3", "model": str(head),
+            "num_speculative_tokens": REAL_PAIR_EAGLE3_K} in configs
+    assert {"method": "specx_eagle3", "model": str(head), "adaptive": True} in configs
+    assert all(c.get("model") == str(head) for c in configs
+               if c["method"] in ("eagle3", "specx_eagle3", "specx_eagle"))
