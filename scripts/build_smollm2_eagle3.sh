@@ -22,7 +22,7 @@ set -euo pipefail
 WORK=.cache/smol_eagle3
 OUT=vllm_specx/models/smollm2_eagle3
 STEPS=${STEPS:-900}
-MAX_MINUTES=${MAX_MINUTES:-45}
+MAX_MINUTES=${MAX_MINUTES:-85}
 CORPUS_WINDOWS=${CORPUS_WINDOWS:-256}
 DRAFT_VOCAB=${DRAFT_VOCAB:-12288}
 TARGET=$(vllm-specx fetch-target | tail -n 1)

@@ -11,7 +11,7 @@ and vLLM's spec-decode Prometheus counters must be consistent.
 Adding a method is one entry in ``LOAD_METHODS`` (its target: the fixture pair's, or the
 MTP fixture for ``specx_mtp``; optionally extra ``vllm serve`` arguments).
 
-Data parallel: ``adaptive`` also runs under ``vllm serve --data-parallel-size 2`` (two
+Data parallel: ``adaptive`` runs under ``vllm serve --data-parallel-size 2`` (two
 engine cores, each with its own specx drafter; vLLM runs each DP rank of the dense fixture
 target as an independent engine); ``mtad`` likewise where ``VLLM_SPECX_SCALE_OUT_TESTS=1``
 (the CI matrix entry ``scale-out``: a DP server costs 80-200 s to start on 2 cores).
@@ -57,7 +57,9 @@ MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beam
 # `vllm serve` arguments]).
 LOAD_METHODS = [
     pytest.param((PAIR, MTAD), id="mtad"),
-    pytest.param((PAIR, ADAPTIVE), id="adaptive"),
+    # adaptive runs its load under DP = 2 only (below): the same requests and assertions,
+    # each of the two engines with the small KV cache, so one server proves both (a third
+    # single-engine server cost ~50 s of the suite's budget).
     pytest.param(
         (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True}),
         id="specx_mtp",

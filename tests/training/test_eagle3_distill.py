@@ -158,14 +158,17 @@ def test_distill_eagle3_end_to_end_head_loads_in_vllm_eagle3(tmp_path, capsys):
     assert fc.dtype == torch.bfloat16
     target_ids = torch.arange(1024) + d2t
     assert bool((target_ids[1:] > target_ids[:-1]).all()) and int(target_ids.max()) < 4096
-    # A second run with the same inputs resumes: every stage is skipped, nothing changes.
-    capsys.readouterr()
+    # A second run with the same inputs resumes: every stage is skipped, nothing changes;
+    # a time budget says when to stop, not what is trained, so a run that finished its
+    # steps is also done under another --max-minutes.
     before = (out / "model.safetensors").read_bytes()
-    assert specx_main(_argv(tmp_path, out)) == 0
-    logged = capsys.readouterr().out
-    for stage in ("data", "features", "vocab", "train", "report"):
-        assert f"stage {stage} done before, skipped" in logged
-    assert (out / "model.safetensors").read_bytes() == before
+    for extra in ((), ("--max-minutes", "30")):
+        capsys.readouterr()
+        assert specx_main(_argv(tmp_path, out, *extra)) == 0
+        logged = capsys.readouterr().out
+        for stage in ("data", "features", "vocab", "train", "report"):
+            assert f"stage {stage} done before, skipped" in logged, (extra, logged)
+        assert (out / "model.safetensors").read_bytes() == before
 
 
 @pytest.mark.parametrize("extra, key", [

@@ -570,7 +570,7 @@ class Eagle3Run:
                  "ttt_steps": o.ttt_steps, "ttt_decay": o.ttt_decay, "steps": o.steps,
                  "batch": o.batch, "lr": o.lr, "weight_decay": o.weight_decay,
                  "grad_clip": o.grad_clip, "min_lr_ratio": o.min_lr_ratio,
-                 "max_minutes": o.max_minutes, "eval_every": o.eval_every,
+                 "eval_every": o.eval_every,
                  "threads": o.threads, "autocast": o.autocast, "save_dtype": o.save_dtype,
                  "output": str(job.out_dir)}
         report = {"train": train, "report_k": list(o.report_k),
@@ -599,6 +599,11 @@ class Eagle3Run:
         info = _stage_done(self.markers[stage], self.inputs[stage], self.log)
         if stage == "train" and info is not None and not (
                 Path(self.job.out_dir) / "model.safetensors").is_file():
+            return None
+        if stage == "train" and info is not None and info.get("stopped_by") == "max_minutes" and (
+                self.options.max_minutes is None
+                or self.options.max_minutes > info.get("training_minutes", 0)):
+            # A larger budget continues the run from its last checkpoint.
             return None
         return info
 
@@ -706,7 +711,7 @@ class Eagle3Run:
         step, curve, seconds_before = 0, [], 0.0
         if state_file.is_file():
             state = torch.load(state_file, weights_only=False)
-            if state["inputs"] == self.inputs["train"]:
+            if _without_budget(state["inputs"]) == self.inputs["train"]:
                 head.load_state_dict(state["head"], strict=False)
                 opt.load_state_dict(state["opt"])
                 sched.load_state_dict(state["sched"])
@@ -904,3 +909,10 @@ def distill_eagle3(job: Eagle3Job, options: Eagle3Options = Eagle3Options(), *,
         if stage == stop_after:
             break
     return record
+
+
+def _without_budget(train_inputs: dict[str, Any]) -> dict[str, Any]:
+    """The train stage's inputs without ``max_minutes``: a budget says when to stop, not
+    what is trained (checkpoints written before it left the inputs still carry it), so a
+    run stopped by its budget resumes under a larger one."""
+    return {k: v for k, v in train_inputs.items() if k != "max_minutes"}
