@@ -153,9 +153,7 @@ def _engine_args_or_error(command: str, text: str | None) -> tuple[dict[str, Any
 def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``distill`` to the ``vllm-specx`` sub-commands (called by ``vllm_specx.cli``)."""
     from vllm_specx.training.distill import (
-        AUTOCAST_MODES,
         EMBED_INITS,
-        SAVE_DTYPES,
         SIZE_HELP,
         STAGES,
         DistillOptions,
@@ -208,23 +206,10 @@ def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "REPORT.json) and run every stage again")
     p.add_argument("--stop-after", choices=STAGES, default=None,
                    help="stop after this stage (a later run with the same inputs resumes)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="use the first N prompts of --prompts (default: all)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seeds generation (request i: seed + i), the held-out split, "
-                   "initialisation, corpus windows and shuffling (default: %(default)s)")
-    p.add_argument("--temperature", type=float, action="append", default=None,
-                   help="target sampling temperature of the distillation data, 0 = greedy; "
-                   "repeatable, every prompt is answered at each (default: 0, 0.3, 0.7, 1.0 "
-                   "as in Yi et al.'s specialized-drafter recipe)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="tokens generated per answer (default: %(default)s)")
+    _add_data_stage_arguments(p, d)
     p.add_argument("--chat-template", action="store_true",
                    help="wrap each prompt in the target tokenizer's chat template as a user "
                    "turn (for instruction-tuned targets served through chat)")
-    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
-                   help="fraction of the prompts held out for REPORT.json (default: "
-                   "%(default)s; at least one prompt)")
     p.add_argument("--seq-len", type=int, default=d.seq_len,
                    help="tokens per training row: corpus window length, and the cut of "
                    "prompt + answer rows (default: %(default)s)")
@@ -257,6 +242,36 @@ def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "usual (default: %(default)s)")
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="new drafters only: longest context (default: the target's)")
+    _add_run_arguments(p, d)
+    p.set_defaults(func=cmd_distill)
+    _refuse_in_one_line(p, "distill")
+    return p
+
+
+def _add_data_stage_arguments(p: argparse.ArgumentParser, d: Any) -> None:
+    """The arguments of the data stage ``distill`` and ``distill-eagle3`` share: the target
+    answers the prompts in vLLM (``d``: the command's options dataclass, for the defaults)."""
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N prompts of --prompts (default: all)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seeds generation (request i: seed + i), the held-out split, "
+                   "initialisation, corpus windows and shuffling (default: %(default)s)")
+    p.add_argument("--temperature", type=float, action="append", default=None,
+                   help="target sampling temperature of the distillation data, 0 = greedy; "
+                   "repeatable, every prompt is answered at each (default: 0, 0.3, 0.7, 1.0 "
+                   "as in Yi et al.'s specialized-drafter recipe)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="tokens generated per answer (default: %(default)s)")
+    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help="fraction of the prompts held out for REPORT.json (default: "
+                   "%(default)s; at least one prompt)")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, d: Any) -> None:
+    """The arguments ``distill`` and ``distill-eagle3`` share for how a run saves, computes
+    and reports (``d``: the command's options dataclass, for the defaults)."""
+    from vllm_specx.training.distill import AUTOCAST_MODES, SAVE_DTYPES
+
     p.add_argument("--save-dtype", choices=SAVE_DTYPES, default=d.save_dtype,
                    help="dtype of the saved weights; bfloat16 halves the size on disk, vLLM "
                    "casts to the engine's dtype when loading (default: %(default)s)")
@@ -266,18 +281,20 @@ def add_distill_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="bf16 autocast of the training forward: auto = on where the CPU has "
                    "native bf16 (AMX/AVX512-BF16) (default: %(default)s)")
     p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
-                   help="extra vllm.LLM keyword arguments for the generation engine, e.g. "
+                   help="extra vllm.LLM keyword arguments for the engines, e.g. "
                    "'{\"max_model_len\": 2048}' (defaults: vllm_specx.engine.CPU_ENGINE_DEFAULTS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_distill)
+
+
+def _refuse_in_one_line(p: argparse.ArgumentParser, command: str) -> None:
+    """argparse's own refusals (a missing or unknown flag) as one line, like the others."""
 
     def one_line_error(message: str) -> None:
-        # argparse's own refusals (a missing or unknown flag) as one line, like the others.
-        print(f"vllm-specx distill: {message}; see vllm-specx distill --help", file=sys.stderr)
+        print(f"vllm-specx {command}: {message}; see vllm-specx {command} --help",
+              file=sys.stderr)
         raise SystemExit(2)
 
     p.error = one_line_error  # type: ignore[method-assign]
-    return p
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
@@ -432,16 +449,7 @@ def add_distill_eagle3_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="forget finished stages except the data and run them again")
     p.add_argument("--stop-after", choices=EAGLE3_STAGES, default=None,
                    help="stop after this stage (a later run with the same inputs resumes)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="use the first N prompts of --prompts (default: all)")
-    p.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    p.add_argument("--temperature", type=float, action="append", default=None,
-                   help="target sampling temperature of the data, repeatable (default: 0, "
-                   "0.3, 0.7, 1.0)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="tokens generated per answer (default: %(default)s)")
-    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
-                   help="fraction of the prompts held out (default: %(default)s)")
+    _add_data_stage_arguments(p, d)
     p.add_argument("--seq-len", type=int, default=d.seq_len,
                    help="tokens per training row (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
@@ -474,23 +482,9 @@ def add_distill_eagle3_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--report-max-tokens", type=int, default=d.report_max_tokens,
                    help="tokens generated per held-out prompt in the report "
                    "(default: %(default)s)")
-    p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"),
-                   default=d.save_dtype, help="default: %(default)s")
-    p.add_argument("--threads", type=int, default=d.threads,
-                   help="torch threads; results depend on it (default: %(default)s)")
-    p.add_argument("--autocast", choices=("auto", "bf16", "off"), default=d.autocast,
-                   help="bf16 autocast of the training forward (default: %(default)s)")
-    p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
-                   help="extra vllm.LLM keyword arguments for the engines")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_run_arguments(p, d)
     p.set_defaults(func=cmd_distill_eagle3)
-
-    def one_line_error(message: str) -> None:
-        print(f"vllm-specx distill-eagle3: {message}; see vllm-specx distill-eagle3 --help",
-              file=sys.stderr)
-        raise SystemExit(2)
-
-    p.error = one_line_error  # type: ignore[method-assign]
+    _refuse_in_one_line(p, "distill-eagle3")
     return p
 
 
