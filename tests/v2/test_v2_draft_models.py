@@ -83,10 +83,7 @@ def run_recorded(llm: Any, prompts: list[list[int]], samplings: list[dict[str, A
 def adaptive_run(v2_engine, v2_host) -> dict[str, Any]:
     description = v2_engine("adaptive", speculative_config=ADAPTIVE, **SMALL_KV)
     assert description["speculator"].endswith("AdaptiveV2Speculator"), description
-    prompts = [PROMPTS[1]] * 5 + [p for p in PROMPTS for _ in OUTPUT_LENGTHS]
-    samplings = [GREEDY] * 5 + [{**GREEDY, "max_tokens": n} for _ in PROMPTS
-                                for n in OUTPUT_LENGTHS]
-    return v2_host.call("adaptive", f"{__name__}:run_recorded", prompts, samplings)
+    return v2_host.call("adaptive", f"{__name__}:run_recorded", *_ragged_requests())
 
 
 def test_adaptive_greedy_equals_no_speculation_on_v2(adaptive_run, v2_reference):
@@ -120,6 +117,21 @@ def mtad_run(v2_engine, v2_host) -> dict[str, Any]:
     return v2_host.call("mtad", f"{__name__}:run_recorded", PROMPTS, [GREEDY] * len(PROMPTS))
 
 
+@pytest.fixture(scope="module")
+def mtad_small_kv_run(v2_engine, v2_host) -> dict[str, Any]:
+    v2_engine("mtad-small-kv", speculative_config=MTAD, **SMALL_KV)
+    return v2_host.call("mtad-small-kv", f"{__name__}:run_recorded", *_ragged_requests())
+
+
+def _ragged_requests() -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Five copies of one prompt (they outgrow the small KV cache: preemption) and each
+    shared prompt at each of OUTPUT_LENGTHS (requests end inside a draft)."""
+    prompts = [PROMPTS[1]] * 5 + [p for p in PROMPTS for _ in OUTPUT_LENGTHS]
+    samplings = [GREEDY] * 5 + [{**GREEDY, "max_tokens": n} for _ in PROMPTS
+                                for n in OUTPUT_LENGTHS]
+    return prompts, samplings
+
+
 def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
     assert mtad_run["outputs"] == v2_reference
     stats = mtad_run["stats"]
@@ -129,6 +141,15 @@ def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
     assert stats["tail_forward_passes"] == (MTAD["num_speculative_tokens"] - 1) * stats["rounds"]
     assert stats["drafted_tokens"] == 3 * stats["requests"]
     assert all(not step for step in mtad_run["drafted"])  # not ragged: K placeholders
+
+
+def test_mtad_greedy_under_preemption_and_mid_draft_ends_on_v2(mtad_small_kv_run, v2_reference):
+    """The adaptive test's requests on a KV cache too small for them: preempted requests
+    and requests that end inside a draft still give the no-speculation tokens (the beams'
+    scratch KV found no room there: MTAD drafted one pass per beam, its fallback)."""
+    expected = [v2_reference[1]] * 5 + [ref[:n] for ref in v2_reference for n in OUTPUT_LENGTHS]
+    assert mtad_small_kv_run["outputs"] == expected
+    assert mtad_small_kv_run["preemptions"] > 0
 
 
 # Sampled drafts: 2-token seeded samples at T = 1, top-k 3 (9 outcomes); the second token
