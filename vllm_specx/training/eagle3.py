@@ -692,7 +692,7 @@ class Eagle3Run:
     def run_train(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
-        from vllm_specx.training.loop import adamw, lr_multiplier, plan_steps
+        from vllm_specx.training.loop import adamw, lr_multiplier, plan_steps, train_steps
 
         o, cfg = self.options, self.config()
         t0 = time.time()
@@ -742,6 +742,13 @@ class Eagle3Run:
             head.train()
             return [round(a / max(1, b), 4) for a, b in hits]
 
+        names = list(train)
+        columns = [train[k] for k in names]
+
+        def unrolled_loss(model: nn.Module, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return ttt_loss_and_hits(model, dict(zip(names, rows)), draft_ids, o.ttt_steps,
+                                     o.ttt_decay)[0]
+
         stopped_by = "steps"
         bar = tqdm(total=plan.total, initial=step, desc="train eagle3", disable=not self.progress,
                    unit="step")
@@ -754,18 +761,13 @@ class Eagle3Run:
                 stopped_by = "max_minutes"
                 break
             idx = batch_rows(step)
-            batch = {k: v[idx] for k, v in train.items()}
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss, _ = ttt_loss_and_hits(head, batch, draft_ids, o.ttt_steps, o.ttt_decay)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), o.grad_clip)
-            opt.step()
-            sched.step()
+            # The optimiser step itself is the one every specx trainer takes (loop.py).
+            step_loss, rows = train_steps(head, columns, unrolled_loss, [idx], opt, sched,
+                                          grad_clip=o.grad_clip, autocast_bf16=autocast)
             step += 1
-            loss_sum += float(loss.detach())
+            loss_sum += step_loss / rows
             loss_n += 1
-            positions_per_step.append(int(batch["lengths"].sum()))
+            positions_per_step.append(int(train["lengths"][idx].sum()))
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum / loss_n:.3f}")
             if step % o.eval_every == 0 or step == plan.total:
