@@ -27,20 +27,28 @@ def _prompts() -> list[str]:
     ]
 
 
-def _counter(llm, name: str) -> float:
-    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
-
-
 def _spec_counts(llm, run):
-    """(drafted, accepted) draft tokens during ``run()``."""
-    before = (
-        _counter(llm, "vllm:spec_decode_num_draft_tokens"),
-        _counter(llm, "vllm:spec_decode_num_accepted_tokens"),
-    )
-    result = run()
-    drafted = _counter(llm, "vllm:spec_decode_num_draft_tokens") - before[0]
-    accepted = _counter(llm, "vllm:spec_decode_num_accepted_tokens") - before[1]
-    return result, drafted, accepted
+    """(drafted, accepted) draft tokens during ``run()``, from this engine's own per-step
+    spec-decode stats. Not from ``llm.get_metrics()``: vLLM's Prometheus registry is
+    process-wide, and every engine started later (another fixture of this process)
+    unregisters the collectors of the engines before it."""
+    manager = llm.llm_engine.logger_manager
+    record = manager.record
+    counts = [0, 0]
+
+    def counting_record(scheduler_stats, *args, **kwargs):
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec is not None:
+            counts[0] += spec.num_draft_tokens
+            counts[1] += spec.num_accepted_tokens
+        return record(scheduler_stats, *args, **kwargs)
+
+    manager.record = counting_record
+    try:
+        result = run()
+    finally:
+        del manager.record
+    return result, counts[0], counts[1]
 
 
 def _greedy(llm):
