@@ -115,6 +115,20 @@ def parse_draft_size(text: str) -> DraftShape:
                       kv_heads=max(1, heads // 2), intermediate=3 * hidden)
 
 
+def data_stage_problems(o: Any) -> list[tuple[str, Any, bool, str]]:
+    """(name, value, ok, allowed) for the settings of the data stage that ``distill`` and
+    ``distill-eagle3`` share (the target answering the prompts, rows of ``seq_len``)."""
+    return [
+        ("temperature", list(o.temperatures),
+         bool(o.temperatures) and all(t >= 0 for t in o.temperatures),
+         "one or more numbers >= 0"),
+        ("max_tokens", o.max_tokens, o.max_tokens >= 1, "an integer >= 1"),
+        ("heldout_fraction", o.heldout_fraction, 0 < o.heldout_fraction < 1,
+         "a number in (0, 1)"),
+        ("seq_len", o.seq_len, o.seq_len >= 8, "an integer >= 8"),
+    ]
+
+
 @dataclass(frozen=True)
 class DistillOptions:
     """Every knob of ``distill`` (recorded in work/options.json and REPORT.json)."""
@@ -143,13 +157,7 @@ class DistillOptions:
     def check(self) -> None:
         """One clear line per bad value, before anything starts."""
         problems = [
-            ("temperature", list(self.temperatures),
-             bool(self.temperatures) and all(t >= 0 for t in self.temperatures),
-             "one or more numbers >= 0"),
-            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "an integer >= 1"),
-            ("heldout_fraction", self.heldout_fraction, 0 < self.heldout_fraction < 1,
-             "a number in (0, 1)"),
-            ("seq_len", self.seq_len, self.seq_len >= 8, "an integer >= 8"),
+            *data_stage_problems(self),
             ("pretrain_steps", self.pretrain_steps, self.pretrain_steps >= 0, "an integer >= 0"),
             ("pretrain_batch", self.pretrain_batch, self.pretrain_batch >= 1, "an integer >= 1"),
             ("pretrain_lr", self.pretrain_lr, self.pretrain_lr > 0, "a number > 0"),

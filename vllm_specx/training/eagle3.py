@@ -68,6 +68,7 @@ from vllm_specx.training.distill import (
     _read_config,
     _stage_done,
     _write_json,
+    data_stage_problems,
     run_data,
 )
 
@@ -106,13 +107,7 @@ class Eagle3Options:
     def check(self) -> None:
         """One clear line per bad value, before anything starts."""
         problems = [
-            ("temperature", list(self.temperatures),
-             bool(self.temperatures) and all(t >= 0 for t in self.temperatures),
-             "one or more numbers >= 0"),
-            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "an integer >= 1"),
-            ("heldout_fraction", self.heldout_fraction, 0 < self.heldout_fraction < 1,
-             "a number in (0, 1)"),
-            ("seq_len", self.seq_len, self.seq_len >= 8, "an integer >= 8"),
+            *data_stage_problems(self),
             ("corpus_windows", self.corpus_windows, self.corpus_windows >= 0,
              "an integer >= 0"),
             ("draft_vocab", self.draft_vocab, self.draft_vocab >= 2, "an integer >= 2"),
