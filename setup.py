@@ -31,8 +31,11 @@ setup(
     install_requires=["packaging"],
     extras_require={
         "vllm": [f"vllm{SUPPORTED_VLLM}", *REAL_PAIR],
+        # mkdocs*: the documentation site (mkdocs.yml, docs/), built with --strict by the
+        # test command so a broken link or a missing page fails the tests.
         "test": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6", "scipy", "transformers", "tokenizers",
-                 "safetensors", *REAL_PAIR],
+                 "safetensors", "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26",
+                 *REAL_PAIR],
         "bench": ["matplotlib", "tqdm", *REAL_PAIR],
     },
     entry_points={
