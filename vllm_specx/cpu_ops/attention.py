@@ -13,9 +13,20 @@ run a masked softmax in float32 (float64 for float64 inputs). A batch of one req
 without ALiBi, softcap, sinks or a key-cutting window (decoding and verification at
 batch 1) takes a shorter path with the same maths: its op count per layer is what a
 small model's step pays in Python and dispatch, not in arithmetic.
+
+Draft trees (issue 37) need one more rule: a tree request's query rows attend to the
+whole context but, among the step's own query rows, only to their ancestors. The op's
+signature is vLLM's, so that rule reaches it through an explicit per-step side channel,
+:func:`query_masks`: the V1 runner hook (``glue/tree_step.py``) sets the step's
+:class:`QueryMasks` around the target's forward only and clears it after. Without one
+set, every request is causal as before.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +38,81 @@ MIN_MATMUL_ROWS = 4
 
 # ISA hints vLLM's CPU backend may pass; the reference computes the same thing for all.
 KNOWN_ISA_HINTS = frozenset({"amx", "amx_fp8", "vec", "vec16", "neon", "vxe", "rvv", "vsx"})
+
+
+@dataclass(frozen=True)
+class QueryMasks:
+    """Which of its own request's query rows each query row may attend to, for one
+    forward pass (the keys before a request's first query row are all visible).
+
+    ``q_lens`` [reqs] int64: the query rows per request the masks were built for (the
+    op refuses a batch of another shape: a mask set for the target's forward must never
+    reach another forward). ``allowed`` [reqs, max_q, max_q] bool: ``allowed[r, i, j]``
+    says whether query row ``i`` of request ``r`` sees query row ``j`` of ``r``; a row
+    must see itself and nothing after it (``j <= i``), so a causal request is the lower
+    triangle and a tree request is its ancestor mask (root first, nodes in BFS order).
+    """
+
+    q_lens: torch.Tensor
+    allowed: torch.Tensor
+
+    @classmethod
+    def causal_except(cls, q_lens: list[int], trees: dict[int, torch.Tensor]) -> QueryMasks:
+        """Causal rows for every request but those of ``trees`` (request index ->
+        ``[q, q]`` mask over its query rows)."""
+        max_q = max(q_lens) if q_lens else 0
+        allowed = torch.ones(max_q, max_q, dtype=torch.bool).tril()
+        allowed = allowed.unsqueeze(0).repeat(len(q_lens), 1, 1)
+        for r, mask in trees.items():
+            q = q_lens[r]
+            if tuple(mask.shape) != (q, q):
+                raise ValueError(f"request {r}: mask {tuple(mask.shape)} for {q} query rows")
+            if bool((mask & ~torch.ones(q, q, dtype=torch.bool).tril()).any()) or not bool(
+                    mask.diagonal().all()):
+                raise ValueError(f"request {r}: a query row must see itself and no later row")
+            allowed[r, :q, :q] = mask.to(torch.bool)
+        return cls(torch.tensor(q_lens, dtype=torch.int64), allowed)
+
+
+# The masks of the forward pass running now (None: every request causal). Set only
+# through query_masks(); one engine core drives one forward at a time per process.
+_ACTIVE_MASKS: QueryMasks | None = None
+
+
+@contextmanager
+def query_masks(masks: QueryMasks | None) -> Iterator[None]:
+    """Apply ``masks`` to every attention call inside the block, then clear them (also on
+    an exception). ``None`` is a no-op block, so a caller need not branch."""
+    global _ACTIVE_MASKS
+    if masks is None:
+        yield
+        return
+    if _ACTIVE_MASKS is not None:
+        raise RuntimeError("vllm-specx: query masks are already set for another forward")
+    _ACTIVE_MASKS = masks
+    try:
+        yield
+    finally:
+        _ACTIVE_MASKS = None
+
+
+def active_query_masks() -> QueryMasks | None:
+    """The masks set for the forward running now, if any (tests, debugging)."""
+    return _ACTIVE_MASKS
+
+
+def _masks_for(batch: _Batch) -> QueryMasks | None:
+    masks = _ACTIVE_MASKS
+    if masks is None:
+        return None
+    if masks.q_lens.shape[0] != batch.num_reqs or not torch.equal(masks.q_lens, batch.q_lens):
+        raise RuntimeError(
+            "vllm-specx: the step's tree query masks were built for query lengths "
+            f"{masks.q_lens.tolist()}, but attention ran over {batch.q_lens.tolist()}"
+        )
+    if not bool(batch.req_causal.all()):
+        raise RuntimeError("vllm-specx: tree query masks on a non-causal attention call")
+    return masks
 
 
 def _check_isa(isa: str) -> None:
@@ -164,13 +250,19 @@ def cpu_attention_with_kv_cache(
     batch = _Batch.of(query_start_loc, seq_lens, causal, dynamic_causal)
     if batch.max_q == 0:
         return
+    masks = _masks_for(batch)
     window = int(sliding_window_size) if sliding_window_size and sliding_window_size > 0 else 0
+    if masks is not None and window > 0:
+        # A tree node's position is ctx + depth, not its key slot: a window over slots
+        # would cut the wrong keys (tree configs are refused for such targets first).
+        raise NotImplementedError("vllm-specx: tree query masks with a sliding window")
     if (batch.num_reqs == 1 and alibi_slopes is None and softcap <= 0 and s_aux is None
             and (window == 0 or window >= batch.max_s)):
-        _attend_one_request(query, key_cache, value_cache, out, batch, scale, block_table)
+        _attend_one_request(query, key_cache, value_cache, out, batch, scale, block_table,
+                            masks)
         return
     _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
-                   window, softcap, alibi_slopes, s_aux)
+                   window, softcap, alibi_slopes, s_aux, masks)
 
 
 class _Batch:
@@ -202,6 +294,7 @@ def _attend_one_request(
     batch: _Batch,
     scale: float,
     block_table: torch.Tensor,
+    masks: QueryMasks | None = None,
 ) -> None:
     """One request without ALiBi, softcap, sinks or a window that cuts its keys: the
     common decoding/verification step at batch 1, in a few ops (no padding, no per-row
@@ -230,6 +323,8 @@ def _attend_one_request(
         # Query row i sits at position s - n + i and sees keys 0..s - n + i (padding
         # rows see all: they are dropped below).
         allowed = torch.ones(rows, s, dtype=torch.bool).tril(diagonal=s - n)
+        if masks is not None:
+            allowed[:n, s - n:] = masks.allowed[0, :n, :n]
         allowed[n:] = True
         scores = scores.masked_fill(~allowed, float("-inf"))
     ctx = torch.matmul(torch.softmax(scores, dim=-1), gather(value_cache))[:, :, :n]
@@ -248,6 +343,7 @@ def _attend_padded(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     s_aux: torch.Tensor | None,
+    masks: QueryMasks | None = None,
 ) -> None:
     """Any batch: pad queries and keys to the longest request, mask, softmax, scatter."""
     num_kv_heads = key_cache.shape[1]
@@ -261,7 +357,7 @@ def _attend_padded(
     scores = torch.einsum("rqhgd,rhsd->rhgqs", q_pad, k_all) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    allowed, dist = _allowed_keys(batch, window, rows)
+    allowed, dist = _allowed_keys(batch, window, rows, masks)
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(cdt).view(num_kv_heads, group)
         scores = scores + slopes[None, :, :, None, None] * (-dist.to(cdt))[:, None, None]
@@ -323,10 +419,13 @@ def _gather_blocks(
     return g[:, :, :length].to(cdt)
 
 
-def _allowed_keys(batch: _Batch, window: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _allowed_keys(
+    batch: _Batch, window: int, num_rows: int, masks: QueryMasks | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which key each (request, query row) may see, ``[reqs, num_rows, max_s]`` (rows
     past a request's queries see nothing), and the distance ``p - k`` between query
-    position and key position."""
+    position and key position. With ``masks``, a key among the request's own query rows
+    is seen only where its mask allows."""
     q_lens, s_lens, req_causal = batch.q_lens, batch.s_lens, batch.req_causal
     rows = torch.arange(num_rows)
     keys = torch.arange(batch.max_s)
@@ -342,6 +441,15 @@ def _allowed_keys(batch: _Batch, window: int, num_rows: int) -> tuple[torch.Tens
     if window > 0:
         allowed &= dist < window
         allowed &= req_causal[:, None, None] | (-dist < window)
+    if masks is not None:
+        first_q = (s_lens - q_lens)[:, None, None]  # key slot of each request's row 0
+        j = keys[None, None, :] - first_q  # which query row a key is: [reqs, 1, max_s]
+        max_q = masks.allowed.shape[1]
+        table = torch.zeros(batch.num_reqs, num_rows, max_q, dtype=torch.bool)
+        n = min(num_rows, max_q)
+        table[:, :n] = masks.allowed[:, :n]
+        seen = table.gather(2, j.clamp(0, max_q - 1).expand(-1, num_rows, -1))
+        allowed &= (j < 0) | seen
     return allowed, dist
 
 

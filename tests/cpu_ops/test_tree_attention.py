@@ -1,0 +1,158 @@
+"""Tree-masked paged attention (issue 37): a draft tree's query rows, attended in ONE call
+with the ancestor-only query masks, give each node exactly what recomputing its
+root-to-node path as an ordinary causal chain gives.
+
+The tree call and the chain calls go through vLLM's own op wrappers (``vllm._custom_ops``),
+as the engine calls them; the masks reach the op through ``attention.query_masks``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BLOCK = 16
+HEAD = 16
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """Query rows [root, node 0, node 1, ...]: a row sees itself, the root and the rows of
+    its ancestors (the slow, obviously-correct way: walk up the parents)."""
+    q = len(parents) + 1
+    mask = torch.zeros(q, q, dtype=torch.bool)
+    mask[:, 0] = True
+    for n in range(len(parents)):
+        row, node = n + 1, n
+        while node >= 0:
+            mask[row, node + 1] = True
+            node = parents[node]
+    return mask
+
+
+def path_rows(parents: list[int], node: int) -> list[int]:
+    """Query rows of the root-to-node path (root first); node -1 is the root itself."""
+    rows = []
+    while node >= 0:
+        rows.append(node + 1)
+        node = parents[node]
+    return [0, *reversed(rows)]
+
+
+def _attend(reqs: list[dict], num_heads: int, num_kv_heads: int, masks=None) -> torch.Tensor:
+    """One paged attention call over ``reqs`` (each: q [q_len, H, D], k/v [seq, Hkv, D],
+    the last q_len keys being its query rows'); returns the output rows."""
+    from vllm import _custom_ops as ops
+
+    from vllm_specx.cpu_ops.attention import query_masks
+
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [r["k"].shape[0] for r in reqs]
+    n_blk = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(n_blk) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    block_table = torch.full((len(reqs), max(n_blk) + 1), perm.pop(), dtype=torch.int32)
+    kv_cache = torch.full((num_blocks, num_kv_heads, BLOCK, 2 * HEAD), float("nan"))
+    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * BLOCK, HEAD).chunk(
+        2, dim=2)
+    slots = []
+    for r, s in enumerate(seq_lens):
+        ids = [perm.pop() for _ in range(n_blk[r])]
+        block_table[r, : n_blk[r]] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(s)]
+    ops.cpu_attn_reshape_and_cache(
+        torch.cat([r["k"] for r in reqs]), torch.cat([r["v"] for r in reqs]), key_cache,
+        value_cache, torch.tensor(slots, dtype=torch.int64), "vec")
+    q_lens = [r["q"].shape[0] for r in reqs]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    sl_t = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        len(reqs), num_heads, num_kv_heads, HEAD, sl_t, torch.float32, qsl, True, -1, "vec",
+        False, None)
+    query = torch.cat([r["q"] for r in reqs])
+    output = torch.full((query.shape[0], num_heads * HEAD), float("nan"))
+    with query_masks(masks):
+        ops.cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, output.view(-1, num_heads, HEAD), qsl, sl_t,
+            HEAD**-0.5, True, None, -1, block_table, 0.0, metadata, None, None)
+    return output
+
+
+# Trees as parent lists (index within the request, -1 = child of the root), BFS order.
+TREES = [
+    [-1, -1, 0, 0, 1, 2, 2, 5],  # two beams' worth of branching, depth 4
+    [-1, 0, 1, 2],  # a chain: the mask is the causal one
+    [-1, -1, -1, 0, 1, 2],  # three siblings, one child each
+]
+
+
+@pytest.mark.usefixtures("reference_ops")
+@pytest.mark.parametrize("layout", ["one_tree", "mixed_batch"])
+def test_tree_rows_equal_root_to_node_chains(layout):
+    from vllm_specx.cpu_ops.attention import QueryMasks
+
+    num_heads, num_kv_heads = 4, 2
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    # (context length, parents or None for an ordinary causal request with q rows)
+    if layout == "one_tree":
+        spec = [(21, TREES[0])]
+    else:
+        spec = [(21, TREES[0]), (9, None), (40, TREES[1]), (1, TREES[2]), (33, None)]
+    reqs, trees, chains, expect = [], {}, [], []
+    for r, (ctx, parents) in enumerate(spec):
+        q_len = 5 if parents is None else len(parents) + 1
+        req = dict(q=rand(q_len, num_heads, HEAD), k=rand(ctx + q_len, num_kv_heads, HEAD),
+                   v=rand(ctx + q_len, num_kv_heads, HEAD))
+        reqs.append(req)
+        if parents is None:
+            continue
+        trees[r] = ancestor_mask(parents)
+        for node in range(-1, len(parents)):
+            rows = path_rows(parents, node)
+            keep = list(range(ctx)) + [ctx + i for i in rows]
+            chains.append(dict(q=req["q"][rows], k=req["k"][keep], v=req["v"][keep]))
+            expect.append((r, node + 1, len(chains) - 1))
+    q_lens = [r["q"].shape[0] for r in reqs]
+    masks = QueryMasks.causal_except(q_lens, trees)
+    tree_out = _attend(reqs, num_heads, num_kv_heads, masks)
+    chain_out = _attend(chains, num_heads, num_kv_heads)
+    # The plain causal call on the same batch: what the tree rows must NOT give.
+    causal_out = _attend(reqs, num_heads, num_kv_heads)
+    req_start = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    chain_end = torch.tensor([c["q"].shape[0] for c in chains]).cumsum(0) - 1
+    differs = 0
+    for r, row, c in expect:
+        got = tree_out[req_start[r] + row]
+        torch.testing.assert_close(got, chain_out[int(chain_end[c])], atol=1e-5, rtol=1e-5)
+        differs += int(not torch.allclose(got, causal_out[req_start[r] + row], atol=1e-4))
+    assert differs > 0  # TREES[0] branches: a sibling's row would leak into the causal one
+    # Causal requests in the batch are untouched by the masks.
+    for r, (_, parents) in enumerate(spec):
+        if parents is None:
+            rows = slice(req_start[r], req_start[r + 1])
+            torch.testing.assert_close(tree_out[rows], causal_out[rows])
+
+
+@pytest.mark.usefixtures("reference_ops")
+def test_masks_are_scoped_and_checked():
+    from vllm_specx.cpu_ops import attention
+    from vllm_specx.cpu_ops.attention import QueryMasks, query_masks
+
+    masks = QueryMasks.causal_except([3], {0: ancestor_mask([-1, -1])})
+    with query_masks(masks):
+        assert attention.active_query_masks() is masks
+        with pytest.raises(RuntimeError, match="already set"), query_masks(masks):
+            pass
+    assert attention.active_query_masks() is None
+    # A forward of another shape (say, a draft pass) under the target's masks: refused.
+    gen = torch.Generator().manual_seed(1)
+    req = dict(q=torch.randn(2, 2, HEAD, generator=gen),
+               k=torch.randn(6, 2, HEAD, generator=gen), v=torch.randn(6, 2, HEAD, generator=gen))
+    with pytest.raises(RuntimeError, match="query lengths"):
+        _attend([req], 2, 2, masks)
+    assert attention.active_query_masks() is None
+    with pytest.raises(ValueError, match="no later row"):
+        QueryMasks.causal_except([2], {0: torch.ones(2, 2, dtype=torch.bool)})
