@@ -156,3 +156,58 @@ def test_masks_are_scoped_and_checked():
     assert attention.active_query_masks() is None
     with pytest.raises(ValueError, match="no later row"):
         QueryMasks.causal_except([2], {0: torch.ones(2, 2, dtype=torch.bool)})
+
+
+@pytest.mark.usefixtures("reference_ops")
+def test_copy_slots_moves_the_accepted_path_and_nothing_else():
+    """The accepted path of a tree (nodes 1, 4, 7 of TREES[0]: depths 1-3), written at the
+    slots of their flat indices, lands in the contiguous slots after the root; K and V
+    both move, every other slot keeps its bytes; and a query attending over the compacted
+    cache sees what it sees over the path computed as a chain."""
+    from vllm import _custom_ops as ops
+
+    from vllm_specx.cpu_ops.attention import cpu_attn_copy_slots
+
+    num_blocks, heads, ctx = 6, 2, 13  # the root at slot ctx: a block boundary is crossed
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(num_blocks, heads, BLOCK, 2 * HEAD, generator=gen)
+    key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * BLOCK, HEAD).chunk(2, dim=2)
+    table = [4, 1, 5, 0]  # request's blocks, out of order
+
+    def slot(pos: int) -> int:
+        return table[pos // BLOCK] * BLOCK + pos % BLOCK
+
+    path = [1, 4, 7]
+    src = torch.tensor([slot(ctx + 1 + n) for n in path])
+    dst = torch.tensor([slot(ctx + 1 + d) for d in range(len(path))])
+    want_k = key_cache[src // BLOCK, :, src % BLOCK].clone()
+    want_v = value_cache[src // BLOCK, :, src % BLOCK].clone()
+    before = kv_cache.clone()
+    cpu_attn_copy_slots(kv_cache, src, dst)
+    torch.testing.assert_close(key_cache[dst // BLOCK, :, dst % BLOCK], want_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache[dst // BLOCK, :, dst % BLOCK], want_v, rtol=0,
+                               atol=0)
+    touched = torch.zeros(num_blocks, BLOCK, dtype=torch.bool)
+    touched[dst // BLOCK, dst % BLOCK] = True
+    k_same = (key_cache == before.view(num_blocks, heads, 2 * BLOCK, HEAD)[:, :, :BLOCK])
+    v_same = (value_cache == before.view(num_blocks, heads, 2 * BLOCK, HEAD)[:, :, BLOCK:])
+    assert bool(k_same.all(dim=(1, 3))[~touched].all())
+    assert bool(v_same.all(dim=(1, 3))[~touched].all())
+
+    # The next step's query over [context, root, path] reads the path from the cache.
+    q = torch.randn(1, heads, HEAD, generator=gen)
+    seq = ctx + 1 + len(path)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    out = torch.empty(1, heads, HEAD)
+    ops.cpu_attention_with_kv_cache(
+        q, key_cache, value_cache, out, qsl, torch.tensor([seq], dtype=torch.int32),
+        HEAD**-0.5, True, None, -1, torch.tensor([table], dtype=torch.int32), 0.0,
+        torch.zeros(1, dtype=torch.int8), None, None)
+    keep = torch.tensor([slot(p) for p in range(ctx + 1)] + src.tolist())
+    k = before.view(num_blocks, heads, 2 * BLOCK, HEAD)[:, :, :BLOCK]
+    v = before.view(num_blocks, heads, 2 * BLOCK, HEAD)[:, :, BLOCK:]
+    k_path = k[keep // BLOCK, :, keep % BLOCK]  # [seq, heads, head]
+    v_path = v[keep // BLOCK, :, keep % BLOCK]
+    w = torch.softmax(torch.einsum("hd,shd->hs", q[0], k_path) * HEAD**-0.5, dim=-1)
+    torch.testing.assert_close(out[0], torch.einsum("hs,shd->hd", w, v_path), atol=1e-5,
+                               rtol=1e-5)

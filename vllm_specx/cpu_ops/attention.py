@@ -465,3 +465,28 @@ def _softmax_with_sinks(
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
     return weights / denom
+
+
+def cpu_attn_copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
+                        dst_slots: torch.Tensor) -> None:
+    """Copy the K and V of slots ``src_slots[i]`` to ``dst_slots[i]`` in one layer's
+    ``CPU_ATTN`` cache ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (the layout
+    in the module docstring), in place.
+
+    Draft trees (issue 37): a verified tree's accepted path was written at the slots of
+    its nodes' flat indices; the next step reads the path from the contiguous slots after
+    the root, so the path's entries are moved there. Every source is read before any
+    destination is written, so overlapping moves (a node already in place, a destination
+    that is another move's source) are safe.
+    """
+    if src_slots.numel() == 0:
+        return
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"expected a CPU_ATTN KV cache, got shape {tuple(kv_cache.shape)}")
+    num_blocks, num_kv_heads, block_size, two_head = kv_cache.shape
+    halves = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, two_head // 2)
+    src = src_slots.to(torch.int64)
+    dst = dst_slots.to(torch.int64)
+    for cache in halves.chunk(2, dim=2):  # key_cache, value_cache
+        moved = cache[src // block_size, :, src % block_size]  # a copy: [n, heads, head]
+        cache[dst // block_size, :, dst % block_size] = moved
