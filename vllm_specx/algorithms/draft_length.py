@@ -1,0 +1,328 @@
+"""Per-step draft lengths from measured costs and each request's acceptance (issue 32).
+
+A speculative step with ``B`` requests, request ``r`` drafting ``L_r`` tokens, emits in
+expectation ``E(L) = sum_r (1 + sum_{i<=L_r} g_{r,i})`` tokens, where
+``g_{r,i} = prod_{j<=i} a_{r,j}`` is the probability that draft tokens ``1..i`` are all
+accepted (``a_{r,j}``: the conditional acceptance of position ``j`` given ``1..j-1``
+accepted). It costs (:class:`StepCosts`)::
+
+    C(L) = fixed + target(B, S) + sum_{d=1}^{M-1} (pass + row * #{r: L_r > d})
+
+with ``S = sum_r L_r`` (the verification rows the drafts add to the target's forward),
+``M = max_r L_r`` and one lookahead draft pass per depth over the requests still drafting
+(the chain round of ``glue/chain_drafter.py``: token 1 comes from the first pass, which
+runs in any case, so it costs the drafter nothing more; token ``i >= 2`` costs a row of
+pass ``i - 1``). :func:`choose_draft_lengths` maximises ``E(L) / C(L)``, expected tokens
+per second, over ``0 <= L_r <= cap_r``: ``L = 0`` everywhere is a plain decode step.
+
+The maximisation is exact (a brute-force search over every length vector in the tests
+agrees) for any ``target(B, S)`` and draft passes linear in their rows:
+
+* Dinkelbach: ``max E/C`` is the ``lambda`` where ``max_L E(L) - lambda C(L) = 0``;
+  iterating ``lambda <- E(L*)/C(L*)`` from any feasible ``L`` converges in a few steps
+  (finitely many ``L``).
+* For one ``lambda`` and an upper bound ``M`` on the lengths (its ``M - 1`` pass costs
+  paid), the rest is separable with per-token values ``v_{r,i} = g_{r,i} - lambda * row *
+  [i >= 2]``, non-increasing in ``i`` (``g`` is a running product of numbers in
+  ``[0, 1]``), so the best ``S`` tokens are the ``S`` largest values (ties: lower ``i``
+  first), which form a prefix of every request. All ``(M, S)`` are scanned at once with
+  cumulative sums; an ``M`` above the true maximum only overstates the cost, so the
+  maximum over ``M`` is the true maximum.
+
+:class:`CostStop` is the same decision online, inside a round (the shape of
+:class:`~.draft_stop.DraftStopRule`, no host sync per pass): a request goes on drafting
+while the expected gain of its next token, ``P(all drafted so far accepted) * a_next``,
+pays for that token's marginal cost at the step's rate, ``lambda * (token + row)``, and
+never past its planned length. ``P(...)`` is read online from the draft's confidence
+(or the acceptance head), as SpecDec++ does; its threshold is a cost ratio, as SpecDec++'s
+analysis says it should be, here measured rather than fixed.
+
+:class:`AcceptanceHistory` keeps each request's per-position acceptance (counts that decay,
+shrunk toward the pooled rate of all requests) and says which requests are due a probe
+(a request planned at zero learns nothing, so now and then it drafts one token).
+
+Pure PyTorch / NumPy, no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_specx.algorithms.draft_stop import DraftStopRule, confidence_signal
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds (or any one unit: only ratios matter) of one speculative step.
+
+    ``target(B, S) = target_base + target_per_request * B + target_per_token * S``: the
+    target step with ``B`` requests verifying ``S`` draft tokens in all (its own ``B``
+    tokens included in the per-request term). ``fixed``: the rest of the step that does
+    not depend on the lengths (the drafter's first pass). A lookahead pass over ``n``
+    rows costs ``draft_pass + draft_row * n``.
+    """
+
+    target_base: float
+    target_per_request: float
+    target_per_token: float
+    draft_pass: float
+    draft_row: float
+    fixed: float = 0.0
+
+    def target(self, num_reqs: int, draft_tokens: np.ndarray | int) -> np.ndarray | float:
+        return (self.target_base + self.target_per_request * num_reqs
+                + self.target_per_token * draft_tokens)
+
+    def step_time(self, lengths: Sequence[int]) -> float:
+        """``C(L)`` of the module doc, by its definition (the reference the tests use)."""
+        lengths = [int(n) for n in lengths]
+        total = self.fixed + float(self.target(len(lengths), sum(lengths)))
+        for depth in range(1, max(lengths, default=0)):
+            rows = sum(n > depth for n in lengths)
+            total += self.draft_pass + self.draft_row * rows
+        return total
+
+
+def expected_gains(accept_rates: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``g[r, i] = prod_{j<=i} a[r, j]`` from conditional acceptance rates ``[R, K]``."""
+    a = np.clip(np.asarray(accept_rates, dtype=np.float64), 0.0, 1.0)
+    return np.cumprod(a, axis=1)
+
+
+def expected_tokens(gains: np.ndarray, lengths: Sequence[int]) -> float:
+    """``E(L)``: one token per request plus the accepted-prefix probabilities drafted."""
+    return float(sum(1.0 + gains[r, :n].sum() for r, n in enumerate(lengths)))
+
+
+@dataclass(frozen=True)
+class LengthChoice:
+    lengths: np.ndarray  # [R] int64
+    rate: float  # E(L) / C(L): expected tokens per unit of time
+    expected_tokens: float
+    step_time: float
+
+
+def _best_for_lambda(
+    gains: np.ndarray, caps: np.ndarray, costs: StepCosts, lam: float
+) -> np.ndarray:
+    """``argmax_L E(L) - lam * C(L)`` (see the module doc)."""
+    num_reqs, k = gains.shape
+    cols = np.broadcast_to(np.arange(k), (num_reqs, k))
+    allowed = cols < caps[:, None]
+    values = gains - lam * costs.draft_row * (cols >= 1)
+    rows = np.broadcast_to(np.arange(num_reqs)[:, None], (num_reqs, k))
+    v, c, r = values[allowed], cols[allowed], rows[allowed]
+    best = np.zeros(num_reqs, dtype=np.int64)
+    if v.size == 0:
+        return best
+    order = np.lexsort((c, -v))  # largest value first; ties: the shallower token first
+    v, c, r = v[order], c[order], r[order]
+    max_m = int(c.max()) + 1
+    m = np.arange(1, max_m + 1)[:, None]  # candidate maximum lengths
+    in_m = c[None, :] < m  # [M, n]
+    gain = np.cumsum(np.where(in_m, v[None, :], 0.0), axis=1)
+    count = np.cumsum(in_m, axis=1)
+    cost = costs.target(num_reqs, count) + costs.draft_pass * (m - 1)
+    objective = np.where(in_m, gain - lam * cost, -np.inf)
+    zero = -lam * float(costs.target(num_reqs, 0))  # S = 0: nobody drafts
+    mi, j = np.unravel_index(int(np.argmax(objective)), objective.shape)
+    if objective[mi, j] <= zero:
+        return best
+    chosen = in_m[mi, : j + 1]
+    np.add.at(best, r[: j + 1][chosen], 1)
+    return best
+
+
+def choose_draft_lengths(
+    gains: np.ndarray | torch.Tensor,
+    costs: StepCosts,
+    caps: Sequence[int] | np.ndarray | None = None,
+    max_iterations: int = 32,
+) -> LengthChoice:
+    """Each request's draft length maximising expected tokens per second of the step.
+
+    ``gains[r, i]``: probability that draft tokens ``1..i+1`` of request ``r`` are all
+    accepted (:func:`expected_gains`); ``caps[r]``: the most it may draft (default ``K``,
+    the width of ``gains``; 0: it drafts nothing)."""
+    g = np.asarray(gains, dtype=np.float64)
+    num_reqs, k = g.shape
+    cap = np.full(num_reqs, k, dtype=np.int64) if caps is None else np.minimum(
+        np.asarray(caps, dtype=np.int64), k)
+    lengths = np.zeros(num_reqs, dtype=np.int64)
+    rate = expected_tokens(g, lengths) / costs.step_time(lengths)
+    for _ in range(max_iterations):
+        candidate = _best_for_lambda(g, cap, costs, rate)
+        cand_rate = expected_tokens(g, candidate) / costs.step_time(candidate)
+        if not cand_rate > rate * (1.0 + 1e-12):
+            break
+        lengths, rate = candidate, cand_rate
+    return LengthChoice(lengths, rate, expected_tokens(g, lengths), costs.step_time(lengths))
+
+
+class AcceptanceHistory:
+    """Per-request conditional acceptance per draft position, from the request's own
+    verified drafts (counts decay by ``decay`` per observation so a request's rate follows
+    its text), shrunk toward the pooled rate of all requests with weight ``prior_weight``
+    (a new request starts at the pooled rate). The pooled rate starts at ``prior``."""
+
+    def __init__(self, k_max: int, prior: float = 0.6, prior_weight: float = 2.0,
+                 decay: float = 0.9, pooled_decay: float = 0.99,
+                 probe_interval: int = 16) -> None:
+        self.k_max = k_max
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.pooled_decay = pooled_decay
+        self.probe_interval = probe_interval
+        self.pooled_tried = np.zeros(k_max)
+        self.pooled_accepted = np.zeros(k_max)
+        self._tried: dict[str, np.ndarray] = {}
+        self._accepted: dict[str, np.ndarray] = {}
+        self._idle: dict[str, int] = {}  # steps since the request last drafted
+
+    def observe(self, req_id: str, drafted: int, accepted: int) -> None:
+        """Request ``req_id`` had ``drafted`` tokens verified, ``accepted`` of them taken:
+        positions ``1..min(accepted + 1, drafted)`` were tried, ``1..accepted`` passed."""
+        drafted = min(int(drafted), self.k_max)
+        accepted = max(0, min(int(accepted), drafted))
+        if drafted <= 0:
+            return
+        tried = np.zeros(self.k_max)
+        tried[: min(accepted + 1, drafted)] = 1.0
+        passed = np.zeros(self.k_max)
+        passed[:accepted] = 1.0
+        t = self._tried.setdefault(req_id, np.zeros(self.k_max))
+        a = self._accepted.setdefault(req_id, np.zeros(self.k_max))
+        t *= self.decay
+        a *= self.decay
+        t += tried
+        a += passed
+        self.pooled_tried = self.pooled_tried * self.pooled_decay + tried
+        self.pooled_accepted = self.pooled_accepted * self.pooled_decay + passed
+
+    def pooled_rates(self) -> np.ndarray:
+        """Pooled conditional acceptance per position, ``[K]`` (``prior`` with weight
+        ``prior_weight`` where nothing was seen)."""
+        w = self.prior_weight
+        return (self.pooled_accepted + w * self.prior) / (self.pooled_tried + w)
+
+    def rates(self, req_ids: Sequence[str]) -> np.ndarray:
+        """``[R, K]`` conditional acceptance per position for each request."""
+        pooled = self.pooled_rates()
+        w = self.prior_weight
+        out = np.empty((len(req_ids), self.k_max))
+        for row, rid in enumerate(req_ids):
+            t = self._tried.get(rid)
+            if t is None:
+                out[row] = pooled
+            else:
+                out[row] = (self._accepted[rid] + w * pooled) / (t + w)
+        return out
+
+    def probes(self, req_ids: Sequence[str], lengths: np.ndarray) -> np.ndarray:
+        """``lengths`` with a one-token draft for every request that has drafted nothing for
+        ``probe_interval`` steps (and drafts nothing now): without it a request planned at
+        zero would never learn that its drafts became good. Updates the idle counters."""
+        out = lengths.copy()
+        for row, rid in enumerate(req_ids):
+            if out[row] > 0:
+                self._idle[rid] = 0
+                continue
+            idle = self._idle.get(rid, 0) + 1
+            if idle >= self.probe_interval:
+                out[row] = 1
+                idle = 0
+            self._idle[rid] = idle
+        return out
+
+    def forget_except(self, req_ids: Sequence[str]) -> None:
+        """Drop every request not in ``req_ids`` (finished or preempted ones)."""
+        keep = set(req_ids)
+        for store in (self._tried, self._accepted, self._idle):
+            for rid in [r for r in store if r not in keep]:
+                del store[rid]
+
+
+class CostStop:
+    """A :class:`~.draft_stop.DraftStopRule`: the planned lengths and the cost threshold,
+    over another rule (the method's own stop, which may stop a request earlier).
+
+    Request ``r`` goes on after ``Y_{j+1}`` iff ``j + 1 < caps[r]``, the inner rule keeps
+    it, and ``P_r * a[r, j+1] >= threshold``: ``P_r`` is the estimated probability that
+    ``Y_1..Y_{j+1}`` are all accepted (the product of the draft's confidence in each token
+    when ``signal`` is a confidence signal; the acceptance head's ``P(accept)`` of
+    ``Y_1..Y_j`` times ``a[r, j]`` when ``signal == "head"``; the planned rates when
+    ``signal == "history"``), ``a[r, j+1]`` the history's rate of the next position and
+    ``threshold = lambda * (token + row)`` the next token's marginal cost at the step's
+    rate. ``caps`` may be 0: the round then drops ``Y_1`` (:attr:`row_caps`).
+
+    The state is ``[R, 3 + K]``: the inner rule's state, ``log P_r``, the cap and the
+    rates, so the round's slicing by its live rows carries each row's own plan along.
+    """
+
+    def __init__(
+        self,
+        inner: DraftStopRule,
+        caps: torch.Tensor,
+        rates: torch.Tensor,
+        threshold: float,
+        signal: str = "token_prob",
+        head: torch.nn.Module | None = None,
+    ) -> None:
+        self.inner = inner
+        self.row_caps = caps.to(torch.int64)  # [R]
+        self.rates = rates.to(torch.float32)  # [R, K]
+        self.threshold = float(threshold)
+        self.signal = signal
+        self.head = head
+        self.min_tokens = 1
+        self.max_tokens = inner.max_tokens
+        self.needs_hidden = inner.needs_hidden or signal == "head"
+        self.needs_probs = inner.needs_probs or signal in ("max_prob", "top2_margin")
+
+    def start(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        inner = self.inner.start(num_rows, device).to(torch.float32)
+        return torch.cat([
+            inner.view(num_rows, 1),
+            torch.zeros(num_rows, 1, device=device),
+            self.row_caps.to(device=device, dtype=torch.float32).view(num_rows, 1),
+            self.rates.to(device),
+        ], dim=1)
+
+    def step(
+        self,
+        state: torch.Tensor,
+        depth: int,
+        *,
+        next_token_probs: torch.Tensor,
+        next_probs: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inner_state, keep = self.inner.step(
+            state[:, 0], depth, next_token_probs=next_token_probs, next_probs=next_probs,
+            hidden=hidden)
+        log_p, caps, rates = state[:, 1], state[:, 2], state[:, 3:]
+        k = rates.shape[1]
+        tiny = 1e-12
+        if self.signal == "head":
+            if depth >= 1 and hidden is not None and self.head is not None:
+                with torch.no_grad():
+                    log_p = log_p + self.head.accept_prob(hidden).float().clamp_min(tiny).log()
+            current = log_p + rates[:, min(depth, k - 1)].clamp_min(tiny).log()
+        elif self.signal == "history":
+            log_p = log_p + rates[:, min(depth, k - 1)].clamp_min(tiny).log()
+            current = log_p
+        else:
+            conf = confidence_signal(self.signal, next_token_probs, next_probs)
+            log_p = log_p + conf.float().clamp_min(tiny).log()
+            current = log_p
+        next_rate = rates[:, min(depth + 1, k - 1)].clamp_min(tiny)
+        pays = (current + next_rate.log()) >= float(np.log(max(self.threshold, tiny)))
+        keep = keep.to(torch.bool) & pays & (depth + 1 < caps)
+        new_state = torch.cat([inner_state.to(torch.float32).view(-1, 1), log_p.view(-1, 1),
+                               caps.view(-1, 1), rates], dim=1)
+        return new_state, keep
