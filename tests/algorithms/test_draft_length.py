@@ -42,6 +42,7 @@ def _random_costs(rng: np.random.Generator) -> StepCosts:
         draft_pass=float(rng.choice([0.0, rng.uniform(0.0, 0.5), rng.uniform(0.5, 2)])),
         draft_row=float(rng.uniform(0.0, 0.4)),
         fixed=float(rng.uniform(0.0, 0.5)),
+        draft_round=float(rng.choice([0.0, rng.uniform(0.0, 1.0)])),
     )
 
 

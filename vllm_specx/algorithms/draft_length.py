@@ -6,7 +6,7 @@ expectation ``E(L) = sum_r (1 + sum_{i<=L_r} g_{r,i})`` tokens, where
 accepted (``a_{r,j}``: the conditional acceptance of position ``j`` given ``1..j-1``
 accepted). It costs (:class:`StepCosts`)::
 
-    C(L) = fixed + target(B, S) + sum_{d=1}^{M-1} (pass + row * #{r: L_r > d})
+    C(L) = fixed + target(B, S) + [S > 0] round + sum_{d=1}^{M-1} (pass + row * #{r: L_r > d})
 
 with ``S = sum_r L_r`` (the verification rows the drafts add to the target's forward),
 ``M = max_r L_r`` and one lookahead draft pass per depth over the requests still drafting
@@ -62,8 +62,9 @@ class StepCosts:
     ``target(B, S) = target_base + target_per_request * B + target_per_token * S``: the
     target step with ``B`` requests verifying ``S`` draft tokens in all (its own ``B``
     tokens included in the per-request term). ``fixed``: the rest of the step that does
-    not depend on the lengths (the drafter's first pass). A lookahead pass over ``n``
-    rows costs ``draft_pass + draft_row * n``.
+    not depend on the lengths (the drafter's first pass). ``draft_round``: paid when any
+    request drafts (the first token's logits and draw; a step where nobody drafts skips
+    them). A lookahead pass over ``n`` rows costs ``draft_pass + draft_row * n``.
     """
 
     target_base: float
@@ -72,6 +73,7 @@ class StepCosts:
     draft_pass: float
     draft_row: float
     fixed: float = 0.0
+    draft_round: float = 0.0
 
     def target(self, num_reqs: int, draft_tokens: np.ndarray | int) -> np.ndarray | float:
         return (self.target_base + self.target_per_request * num_reqs
@@ -81,6 +83,8 @@ class StepCosts:
         """``C(L)`` of the module doc, by its definition (the reference the tests use)."""
         lengths = [int(n) for n in lengths]
         total = self.fixed + float(self.target(len(lengths), sum(lengths)))
+        if any(lengths):
+            total += self.draft_round
         for depth in range(1, max(lengths, default=0)):
             rows = sum(n > depth for n in lengths)
             total += self.draft_pass + self.draft_row * rows
@@ -126,7 +130,7 @@ def _best_for_lambda(
     in_m = c[None, :] < m  # [M, n]
     gain = np.cumsum(np.where(in_m, v[None, :], 0.0), axis=1)
     count = np.cumsum(in_m, axis=1)
-    cost = costs.target(num_reqs, count) + costs.draft_pass * (m - 1)
+    cost = costs.target(num_reqs, count) + costs.draft_pass * (m - 1) + costs.draft_round
     objective = np.where(in_m, gain - lam * cost, -np.inf)
     zero = -lam * float(costs.target(num_reqs, 0))  # S = 0: nobody drafts
     mi, j = np.unravel_index(int(np.argmax(objective)), objective.shape)
