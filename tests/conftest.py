@@ -21,6 +21,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # the suite keeps float32, the dtype of the transformers references it compares with.
 # tests/engine/test_default_dtype.py runs the default.
 os.environ.setdefault("VLLM_SPECX_CPU_DTYPE", "float32")
+# On an AMX CPU, keep oneDNN on its row-count-invariant kernels from the first product on,
+# as the plugin does in the processes it starts (vllm_specx/cpu_host.py).
+if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+    from vllm_specx.cpu_host import cap_onednn_isa_for_exact_rows
+
+    cap_onednn_isa_for_exact_rows()
 
 
 @pytest.fixture

@@ -68,13 +68,12 @@ DTYPE_ENV = "VLLM_SPECX_CPU_DTYPE"
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), which is where
-    torch's oneDNN bfloat16 linear beats float32."""
-    import torch
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, with oneDNN
+    computing bfloat16), which is where torch's oneDNN bfloat16 linear beats float32
+    (:func:`vllm_specx.cpu_host.native_bf16`)."""
+    from vllm_specx.cpu_host import native_bf16
 
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    return native_bf16()
 
 
 def default_dtype() -> str:

@@ -11,9 +11,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_specx import cpu_host
 from vllm_specx.cpu_ops import linear
 
 ROWS = (0, 1, 3, 9, 24)
+
+
+def _packable_here(dtype: torch.dtype):
+    """The dtypes oneDNN packs on this CPU run; the others are skipped with the reason (the
+    fallback they get is checked by the tests that simulate such a CPU, below)."""
+    return pytest.param(dtype, id=str(dtype), marks=pytest.mark.skipif(
+        not linear.onednn_packs(dtype),
+        reason=f"oneDNN cannot pack {dtype} on this {cpu_host.cpu_class()} CPU; "
+               "test_a_cpu_that_cannot_pack_keeps_vllms_linear covers the fallback"))
+
+
+PACKABLE_HERE = [_packable_here(dtype) for dtype in linear.PACKED_DTYPES]
 
 
 def _weight(dtype: torch.dtype, out_features: int = 96, in_features: int = 64):
@@ -23,13 +36,13 @@ def _weight(dtype: torch.dtype, out_features: int = 96, in_features: int = 64):
     return w, b
 
 
-@pytest.mark.parametrize("dtype", linear.PACKED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", PACKABLE_HERE)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_equals_f_linear(dtype, with_bias):
     w, b = _weight(dtype)
     bias = b if with_bias else None
     fn = linear.packed_linear(w)
-    assert fn is not None, f"torch {torch.__version__} cannot pack {dtype} for oneDNN here"
+    assert fn is not None
     gen = torch.Generator().manual_seed(1)
     for rows in ROWS:
         x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
@@ -45,7 +58,7 @@ def test_packed_linear_equals_f_linear(dtype, with_bias):
     torch.testing.assert_close(fn(x3, w, bias), F.linear(x3, w, bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", linear.PACKED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", PACKABLE_HERE)
 def test_a_row_does_not_depend_on_how_many_rows_share_the_call(dtype):
     # Verification runs K + 1 rows where decoding runs one: the same row must give the
     # same numbers, or greedy speculation could drift from plain decoding.
@@ -81,7 +94,7 @@ def _dispatch():
     return linear.OneDnnPackedLinear().wrap(original)
 
 
-@pytest.mark.parametrize("dtype", linear.PACKED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", PACKABLE_HERE)
 @pytest.mark.parametrize("remove_weight", [True, False])
 def test_patched_dispatch_gives_layers_the_packed_linear(dtype, remove_weight):
     w, _ = _weight(dtype)
@@ -107,3 +120,34 @@ def test_dtypes_it_cannot_pack_and_the_switch_keep_vllms_linear(monkeypatch):
     layer = _layer(_weight(torch.bfloat16)[0])
     _dispatch()(layer, False)
     assert "packed_linear" not in layer.cpu_linear.__qualname__
+
+
+def test_a_cpu_that_cannot_pack_keeps_vllms_linear(monkeypatch):
+    # An AVX2-only CPU, simulated: oneDNN computes no bfloat16 there. bfloat16 weights are
+    # not packed and keep vLLM's choice, which gives F.linear's numbers; float32 is packed.
+    monkeypatch.setattr(cpu_host, "onednn_bf16", lambda: False)
+    assert not linear.onednn_packs(torch.bfloat16) and linear.onednn_packs(torch.float32)
+    w, _ = _weight(torch.bfloat16)
+    assert linear.packed_linear(w) is None
+    layer = _layer(w)
+    _dispatch()(layer, True)
+    assert "packed_linear" not in layer.cpu_linear.__qualname__
+    x = torch.randn(3, w.shape[1]).to(torch.bfloat16)
+    assert torch.equal(layer.cpu_linear(x, layer.weight, None), F.linear(x, w))
+    assert linear.packed_linear(_weight(torch.float32)[0]) is not None
+
+
+def test_vllms_sgl_choice_without_its_compiled_op_falls_back_to_f_linear(monkeypatch):
+    # An AMX CPU, simulated on any host: vLLM gives small bfloat16 weights its sgl kernel,
+    # whose packing op the PyPI wheel lacks; the layer gets vLLM's F.linear fallback
+    # instead of dying at load (here reached through the plain-linear switch).
+    from vllm.model_executor.layers import utils
+
+    monkeypatch.setattr(utils, "check_cpu_sgl_kernel", lambda n, k, dtype: True)
+    monkeypatch.setenv(linear.PLAIN_LINEAR_ENV, "1")
+    w, _ = _weight(torch.bfloat16)
+    layer = _layer(w)
+    _dispatch()(layer, True)
+    x = torch.randn(4, w.shape[1]).to(torch.bfloat16)
+    assert torch.equal(layer.cpu_linear(x, layer.weight, None), F.linear(x, w))
+    assert layer.weight.numel() == w.numel()  # F.linear needs the weight

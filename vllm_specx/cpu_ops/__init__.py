@@ -157,7 +157,11 @@ def register_cpu_reference_ops_if_needed() -> bool:
             logger.debug("CPU reference ops not needed: %s", decision.reason)
             return False
 
+        from vllm_specx.cpu_host import cap_onednn_isa_for_exact_rows
         from vllm_specx.cpu_ops import drift, kernel_overrides, linear, vllm_fixes
+
+        # Before any model loads: oneDNN reads its ISA cap at its first product.
+        cap_onednn_isa_for_exact_rows()
 
         version = drift.installed_vllm_version()
         table_key = drift.select_release_key(version)

@@ -22,6 +22,15 @@ plain decoding bit for bit). bfloat16 results from 4 rows up are bit-identical t
 in the last bits (another summation order), like any change of BLAS kernel.
 ``VLLM_SPECX_CPU_PLAIN_LINEAR=1`` keeps vLLM's own choice (read when the model loads;
 for comparisons).
+
+Per CPU class (:mod:`vllm_specx.cpu_host`): float32 is packed everywhere; bfloat16 only
+where oneDNN computes it (:func:`onednn_packs`: not on an AVX2-only CPU, where bfloat16
+layers keep vLLM's linear and engines default to float32 anyway). On an AMX CPU oneDNN's
+AMX kernels would make a row's result depend on the row count at every size, so the
+plugin caps oneDNN at its AVX512-BF16 kernels there
+(:func:`vllm_specx.cpu_host.cap_onednn_isa_for_exact_rows`); and vLLM's own choice for
+small bfloat16 weights on AMX (its sgl kernel, packed by a compiled op the PyPI wheel
+lacks) is replaced by its ``F.linear`` fallback.
 """
 
 from __future__ import annotations
@@ -51,10 +60,22 @@ MIN_ROWS = 4
 PLAIN_LINEAR_ENV = "VLLM_SPECX_CPU_PLAIN_LINEAR"
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` on this CPU: float32 everywhere, bfloat16 only where
+    oneDNN computes bfloat16 (AVX-512 and up; not on an AVX2-only CPU, whose engines
+    default to float32: :func:`vllm_specx.cpu_host.cpu_class`)."""
+    from vllm_specx import cpu_host
+
+    if dtype == torch.bfloat16:
+        return cpu_host.onednn_bf16()
+    return dtype in PACKED_DTYPES
+
+
 def packed_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """A ``cpu_linear(x, weight, bias)`` on ``weight`` prepacked for oneDNN, or None when
     this torch/CPU cannot pack it (the caller keeps its own linear then)."""
-    if weight.dtype not in PACKED_DTYPES or weight.ndim != 2 or weight.device.type != "cpu":
+    if (weight.dtype not in PACKED_DTYPES or weight.ndim != 2 or weight.device.type != "cpu"
+            or not onednn_packs(weight.dtype)):
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -101,10 +122,10 @@ class OneDnnPackedLinear(VllmPatch):
             weight = getattr(layer, "weight", None)
             if (weight is None or weight.is_meta or env_flag(PLAIN_LINEAR_ENV)
                     or _zentorch_platform()):
-                return original(layer, remove_weight)
+                return _vllms_choice(original, layer, remove_weight)
             linear = packed_linear(weight)
             if linear is None:
-                return original(layer, remove_weight)
+                return _vllms_choice(original, layer, remove_weight)
             layer.cpu_linear = linear
             if remove_weight:
                 layer.weight = torch.nn.Parameter(
@@ -114,6 +135,33 @@ class OneDnnPackedLinear(VllmPatch):
             return None
 
         return dispatch_cpu_unquantized_gemm
+
+
+def _vllms_choice(
+    original: Callable[..., Any], layer: torch.nn.Module, remove_weight: bool
+) -> None:
+    """vLLM's own GEMM choice, except the one it cannot run here: on an AMX CPU vLLM gives
+    small bfloat16 weights its sgl kernel, packed by the compiled
+    ``_C.convert_weight_packed`` that the PyPI wheel lacks (the layer's load would die);
+    those keep vLLM's own last resort, ``F.linear``."""
+    weight = getattr(layer, "weight", None)
+    if weight is not None and not weight.is_meta and weight.ndim == 2 and _sgl_kernel_missing(
+            weight.shape[0], weight.shape[1], weight.dtype):
+        layer.cpu_linear = _f_linear
+        return None
+    return original(layer, remove_weight)
+
+
+def _f_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _sgl_kernel_missing(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel", None)
+    compiled = bool(has_kernel("_C::convert_weight_packed")) if has_kernel else False
+    return not compiled and check_cpu_sgl_kernel(out_features, in_features, dtype)
 
 
 def _zentorch_platform() -> bool:

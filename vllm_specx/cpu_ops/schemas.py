@@ -175,6 +175,8 @@ _RELEASE_0_32_0 = ReleaseTable(
         "tolerant_kernel_rebind", "register_overrides_once",
         "seeded_partial_prefill", "top_k_only_empty_batch",
         "v2_top_k_top_p_sampler", "v2_top_k_top_p_states",
+        # Defect 6 (AMX_MLA on AMX hosts): read in the 0.32.0 wheel only.
+        "reference_mla_on_amx_hosts",
     ),
     # dispatch_cpu_unquantized_gemm and its two callers (linear.py,
     # vocab_parallel_embedding.py) read identical in the 0.33.0 wheel.

