@@ -150,3 +150,45 @@ def test_block_checks_catch_a_broken_block(tmp_path: Path) -> None:
                           text=True).returncode != 0
     with pytest.raises(SyntaxError):
         compile(bad_py, "block", "exec")
+
+
+def _plot_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_real_pair
+    finally:
+        sys.path.pop(0)
+    return plot_real_pair
+
+
+def test_real_pair_plots_show_the_pages_tables() -> None:
+    plots = _plot_module()
+    rows = plots.read_tables(plots.PAGE.read_text(encoding="utf-8"))
+    # Both result tables, every (batch, T) of the draft-model run, the headline row.
+    assert {r.table for r in rows} == {0, 1}
+    assert {(r.batch, r.temperature) for r in rows} == {(1, 0), (1, 1), (8, 0), (8, 1)}
+    eagle = [r for r in rows if r.table == 1 and r.config.startswith("eagle3")
+             and (r.batch, r.temperature) == (1, 0)]
+    assert len(eagle) == 1 and eagle[0].cpu_speedup == 1.12 and eagle[0].block_efficiency == 1.45
+    page = plots.PAGE.read_text(encoding="utf-8")
+    for name in (plots.SPEEDUP_PNG, plots.BLOCK_PNG):
+        png = plots.PAGE.parent / "img" / name
+        assert f"(img/{name})" in page
+        assert plots.png_description(png) == plots.rows_digest(rows), (
+            f"{png} does not show the page's tables: python benchmarks/plot_real_pair.py")
+
+
+def test_plot_script_writes_pngs_and_a_changed_table_changes_the_fingerprint(
+        tmp_path: Path) -> None:
+    plots = _plot_module()
+    text = plots.PAGE.read_text(encoding="utf-8")
+    rows = plots.read_tables(text)
+    paths = plots.plot(rows, tmp_path)
+    assert [p.name for p in paths] == [plots.SPEEDUP_PNG, plots.BLOCK_PNG]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert plots.png_description(path) == plots.rows_digest(rows)
+    # The CPU-time speed-up of vLLM's eagle3 at batch 1, T = 0 (tok/CPU-s 23.4).
+    assert text.count("| 23.4 | **1.12** |") == 1
+    edited = plots.read_tables(text.replace("| 23.4 | **1.12** |", "| 23.4 | 1.13 |"))
+    assert plots.rows_digest(edited) != plots.rows_digest(rows)
