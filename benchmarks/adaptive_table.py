@@ -1,4 +1,5 @@
-"""The README's adaptive-length tables from `vllm-specx bench` reports.
+"""The adaptive-length tables of the docs (docs/benchmarks/adaptive.md, the specx_mtp table of
+docs/methods/specx-mtp.md) from `vllm-specx bench` reports.
 
 Usage: python benchmarks/adaptive_table.py [--cost-ratio C] REPORT.json [REPORT.json ...]
 

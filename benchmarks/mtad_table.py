@@ -1,4 +1,4 @@
-"""The README's MTAD tables from `vllm-specx bench` reports.
+"""The MTAD tables of the docs (docs/benchmarks/mtad.md) from `vllm-specx bench` reports.
 
 Usage: python benchmarks/mtad_table.py [--cost-ratio C] REPORT.json [REPORT.json ...]
 

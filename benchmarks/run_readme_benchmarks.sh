@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The benchmark runs behind the README's tables (fixture pair, the platform present).
+# The benchmark runs behind the fixture-pair tables of the docs (docs/benchmarks/, docs/methods/;
+# once the README's, hence the name), on the fixture pair and the platform present.
 # Usage: bash benchmarks/run_readme_benchmarks.sh [OUT_DIR]   (default: bench-out/readme)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
@@ -21,7 +22,7 @@ done
 
 # 2. MTAD at T=1, top-k 20, top-p 0.9 (the paper's setting), K=4, against vLLM's
 #    draft_model with greedy drafts (its default) and with sampled drafts (speculative
-#    sampling, the paper's baseline). 8 prompts (one batch); the README's table is
+#    sampling, the paper's baseline). 8 prompts (one batch); the docs' table is
 #    `python benchmarks/mtad_table.py --cost-ratio 0.3 "$OUT/mtad_T1.json"`.
 CFGS=(--config "$(printf "$DM" 4 4)"
       --config '{"method":"draft_model","num_speculative_tokens":4,"draft_sample_method":"probabilistic","name":"spec. sampling K=4"}')
@@ -69,7 +70,7 @@ done
 #    batch 8 (8 prompts), batch 1 and batch 32 (32 prompts); T=0 and T=1. Every row also
 #    reports the SpecDec++ hindsight oracle (oracle_projected_speedup) and the padding
 #    ratio; benchmarks/adaptive_table.py re-projects each report with one draft/target
-#    cost ratio (0.30, measured on a quiet 2-core host) and prints the README's tables.
+#    cost ratio (0.30, measured on a quiet 2-core host) and prints the docs' tables.
 HEAD="$(python -c 'from vllm_specx.fixtures import fixtures_root; print(fixtures_root() / "head")')"
 SS='{"method":"draft_model","num_speculative_tokens":%s,"draft_sample_method":"probabilistic","name":"spec. sampling K=%s"}'
 AD='{"method":"adaptive","num_speculative_tokens":%s,%s,"name":"%s"}'
@@ -105,7 +106,7 @@ python benchmarks/adaptive_table.py --cost-ratio 0.30 "$OUT"/adaptive_T*_b*.json
 
 # 7. specx_mtp on the MTP fixture (fixtures/models/mtp_target, greedy): vLLM's mtp and
 #    specx_mtp at K=1..4 (and vLLM's mtp at K=8), specx_mtp adaptive K=8 at the default
-#    confidence threshold (0.2) and at 0.5, 0.3, 0.1 (and T=1); the README's numbers are
+#    confidence threshold (0.2) and at 0.5, 0.3, 0.1 (and T=1); the docs' numbers are
 #    from benchmarks/adaptive_table.py (one cost ratio per report), run below.
 MTPT="$(python -c 'from vllm_specx.fixtures import fixtures_root; print(fixtures_root() / "mtp_target")')"
 CFGS=()

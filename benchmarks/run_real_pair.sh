@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's "Real pair" table: SmolLM2-135M-Instruct (vllm-specx fetch-target) and the
+# The "Real pair" tables (docs/benchmarks/real-pair.md; plotted by
+# benchmarks/plot_real_pair.py): SmolLM2-135M-Instruct (vllm-specx fetch-target) and the
 # shipped drafter (vllm_specx/models/smollm2_draft/), no speculation vs draft_model (K=1
 # and K=$K), mtad (K=$K, B=2) and adaptive (K=$K) on the held-out prompts
 # (vllm_specx/prompts/real_heldout.jsonl), T=0 and T=1, batch 1 and 8.

@@ -17,7 +17,7 @@ from typing import Any
 
 
 def _model_runner(spec: Any) -> dict[str, Any]:
-    """Where a method runs (README "Which model runner")."""
+    """Where a method runs (docs/model-runners.md)."""
     return {
         "v2": spec.runs_on_v2,
         "v1_only": (spec.v1_reason if not spec.runs_on_v2 else

@@ -191,8 +191,8 @@ def test_ragged_draft_methods_run_with_synchronous_scheduling(model_dir):
 
 def test_v2_runner_request_is_refused_for_what_runs_on_v1_only(model_dir, monkeypatch):
     """Forcing V2 is refused, naming the reason, for a method that runs on V1 only
-    (specx_eagle) and for a setting that keeps a V2 method on V1: README "Which model
-    runner"."""
+    (specx_eagle) and for a setting that keeps a V2 method on V1: docs/model-runners.md
+    ("How the runner is chosen")."""
     for name, spec in METHODS.items():
         monkeypatch.setitem(METHODS, name, dataclasses.replace(spec, available=True))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")

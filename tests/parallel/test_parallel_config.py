@@ -1,6 +1,6 @@
 """Parallel layouts at engine-config time (no engine started): what each specx method is
 allowed under tensor / data / pipeline parallelism, refused in ONE line before start
-(``vllm_specx/glue/parallelism.py``; README "Scaling out").
+(``vllm_specx/glue/parallelism.py``; docs/scaling-out.md).
 
 Built through vLLM's own ``EngineArgs.create_engine_config`` on the fixture models: the
 fixture pair's Llama target is dense; the MTP fixture (DeepSeek-V3, 4 routed experts) is a

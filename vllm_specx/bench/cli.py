@@ -22,8 +22,8 @@ DEFAULT_K = 4
 # K of the real pair's default configurations, every method: the shipped SmolLM2 drafter
 # accepts ~18% of first drafts and few after (greedy block efficiency 1.16 / 1.18 at K = 1
 # / 2), and draft_model K=1 matched or beat K=2 in CPU-time speed-up in every cell of the
-# README's "Real pair" table (bfloat16, batch 1, T=0: 0.93-1.01 vs 0.86-0.95); a longer K
-# only adds rejected drafts.
+# "Real pair" table (docs/benchmarks/real-pair.md; bfloat16, batch 1, T=0: 0.93-1.01 vs
+# 0.86-0.95); a longer K only adds rejected drafts.
 REAL_PAIR_K = 1
 # K of vLLM's eagle3 over the shipped EAGLE-3 head (vllm_specx/models/smollm2_eagle3/).
 REAL_PAIR_EAGLE3_K = 3

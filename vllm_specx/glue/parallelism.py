@@ -1,5 +1,5 @@
 """Which of vLLM's parallel layouts a specx method runs under, decided before the engine
-starts (README "Scaling out").
+starts (docs/scaling-out.md).
 
 Read off vLLM 0.32.0 and tried on its CPU engine (gloo, one machine):
 
