@@ -192,3 +192,16 @@ def test_plot_script_writes_pngs_and_a_changed_table_changes_the_fingerprint(
     assert text.count("| 23.4 | **1.12** |") == 1
     edited = plots.read_tables(text.replace("| 23.4 | **1.12** |", "| 23.4 | 1.13 |"))
     assert plots.rows_digest(edited) != plots.rows_digest(rows)
+
+
+def test_update_docs_tables_rewrites_only_the_generated_block() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import update_docs_tables as upd
+    finally:
+        sys.path.pop(0)
+    page = f"# Knobs\n\nintro\n\n{upd.START} by x -->\n| old |\n|---|\n{upd.END}\n\nafter\n"
+    new = upd.with_table(page, "| a |\n|---|\n| 1 |\n")
+    assert new == (f"# Knobs\n\nintro\n\n{upd.START} by x -->\n| a |\n|---|\n| 1 |\n"
+                   f"{upd.END}\n\nafter\n")
+    assert upd.with_table(new, "| a |\n|---|\n| 1 |") == new  # idempotent
