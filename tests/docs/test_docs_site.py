@@ -205,3 +205,27 @@ def test_update_docs_tables_rewrites_only_the_generated_block() -> None:
     assert new == (f"# Knobs\n\nintro\n\n{upd.START} by x -->\n| a |\n|---|\n| 1 |\n"
                    f"{upd.END}\n\nafter\n")
     assert upd.with_table(new, "| a |\n|---|\n| 1 |") == new  # idempotent
+
+
+def test_readme_headline_is_the_real_pair_pages_numbers() -> None:
+    """The README's real-pair rows (block efficiency, CPU-time speed-up) and their date are
+    those of the EAGLE-3 run on docs/benchmarks/real-pair.md, batch 1, T = 0."""
+    plots = _plot_module()
+    page = plots.PAGE.read_text(encoding="utf-8")
+    docs = {(r.block_efficiency, r.cpu_speedup) for r in plots.read_tables(page)
+            if r.table == 1 and (r.batch, r.temperature) == (1, 0)}
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Does it pay?"):]
+    section = section[:section.index("\n## ", 1)]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = _cells_of(lines[0])
+    block, cpu = header.index("block efficiency"), header.index("CPU-time speed-up")
+    rows = {(float(c[block].strip("*")), float(c[cpu].strip("*")))
+            for c in map(_cells_of, lines[2:])}
+    assert len(rows) == len(lines) - 2 >= 3 and rows <= docs, (rows, docs)
+    date = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d-\d\d:\d\d UTC", section)
+    assert date and date.group(0) in page
+
+
+def _cells_of(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
