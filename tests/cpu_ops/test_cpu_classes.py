@@ -5,8 +5,8 @@ AVX-512 one, AVX512-BF16 or AMX. Three guards keep a test from assuming the CPU 
 written on:
 
 * the class is read in ONE place (``vllm_specx.cpu_host``), honouring torch's and oneDNN's
-  dispatch caps, so ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` makes any newer
-  x86 host compute, and report itself, as an AVX2-only one;
+  dispatch caps, so ``cpu_host.AVX2_SIMULATION_ENV`` makes any newer x86 host compute,
+  and report itself, as an AVX2-only one;
 * no test module probes the CPU by itself (a probe outside cpu_host is how a test comes to
   assert a feature instead of the product's choice for it);
 * the CPU-sensitive tests are run again in a subprocess as an AVX2-only host, so the
@@ -27,7 +27,7 @@ import pytest
 from vllm_specx import cpu_host
 
 REPO = Path(__file__).resolve().parents[2]
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", cpu_host.ONEDNN_ISA_ENV: "AVX2"}
+AVX2_ENV = dict(cpu_host.AVX2_SIMULATION_ENV)
 # torch's and oneDNN's feature probes, and the kernel's flag list: only cpu_host reads them.
 PROBES = re.compile(r"_is_avx512_bf16_supported|_is_amx_tile_supported|"
                     r"_is_mkldnn_bf16_supported|get_cpu_capability|/proc/cpuinfo")
