@@ -219,7 +219,13 @@ class TreeBatch:
                 f"request (0..{int(local[i]) - 1}), so the tree is in BFS order"
             )
         n_max = int(counts.max()) if len(cu) else 0
-        depths = node_depths(parents, cu)
+        if self.max_depth is not None:
+            rounds = max(self.max_depth - 1, 0).bit_length() + 1
+            depths, deeper = _pointer_jump(parents, cu, rounds)
+            if bool(deeper.any()) or (t and int(depths.max()) > self.max_depth):
+                raise ValueError(f"max_depth = {self.max_depth} is below the batch's deepest node")
+        else:
+            depths = node_depths(parents, cu)
         d_max = int(depths.max()) if t else 0
         if t:
             # Children per node, the root counted as slot 0 of each request.
@@ -237,12 +243,12 @@ class TreeBatch:
                 raise ValueError(f"{name} = {given} is below the batch's actual {actual}")
 
 
-def node_depths(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Tensor:
-    """[T] int64 depth of every node (1 = a child of the root), no host sync.
-
-    Pointer jumping over the flat parent links: ``ceil(log2(T)) + 1`` rounds of
-    "add the ancestor's distance, jump to the ancestor's ancestor".
-    """
+def _pointer_jump(
+    parents: torch.Tensor, cu_num_nodes: torch.Tensor, rounds: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth, unresolved) after ``rounds`` rounds of pointer jumping over the flat parent
+    links: "add the ancestor's distance, jump to the ancestor's ancestor". Round r covers
+    ``2**r`` edges; ``unresolved`` marks nodes deeper than that."""
     t = parents.shape[0]
     cu = cu_num_nodes.to(torch.int64)
     counts = cu - torch.cat([cu.new_zeros(1), cu[:-1]])
@@ -250,12 +256,25 @@ def node_depths(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Tens
     par = parents.to(torch.int64)
     anc = torch.where(par >= 0, start + par, torch.full_like(par, -1))
     dist = torch.ones(t, dtype=torch.int64, device=parents.device)
-    for _ in range(max(t - 1, 0).bit_length() + 1):
+    zero = torch.zeros_like(dist)
+    for _ in range(rounds):
         up = anc >= 0
         safe = anc.clamp(min=0)
-        dist = dist + torch.where(up, dist[safe], torch.zeros_like(dist))
-        anc = torch.where(up, anc[safe], anc)
-    return dist
+        dist = dist + torch.where(up, dist.index_select(0, safe), zero)
+        anc = torch.where(up, anc.index_select(0, safe), anc)
+    return dist, anc >= 0
+
+
+def node_depths(
+    parents: torch.Tensor, cu_num_nodes: torch.Tensor, max_depth: int | None = None
+) -> torch.Tensor:
+    """[T] int64 depth of every node (1 = a child of the root), no host sync.
+
+    Pointer jumping: ``bit_length(max_depth - 1) + 1`` rounds when the caller knows a
+    bound on the depth (a :class:`TreeBatch` does), ``bit_length(T - 1) + 1`` otherwise.
+    """
+    bound = parents.shape[0] if max_depth is None else max_depth
+    return _pointer_jump(parents, cu_num_nodes, max(bound - 1, 0).bit_length() + 1)[0]
 
 
 def ancestor_mask(parents_of_one_request: torch.Tensor) -> torch.Tensor:
@@ -310,7 +329,7 @@ def tree_layout(batch: TreeBatch) -> TreeLayout:
     flat = (start[:, None] + slots[None, :]).clamp(min=0, max=max(t - 1, 0))
     if t:
         parent = batch.parents.to(torch.int64)[flat]
-        depth = node_depths(batch.parents, cu)[flat]
+        depth = node_depths(batch.parents, cu, batch.max_depth)[flat]
     else:
         parent = torch.zeros_like(flat)
         depth = torch.zeros_like(flat)

@@ -1,0 +1,195 @@
+"""Statistical proofs: both sampled tree rules are lossless, MTAD's extra token is p.
+
+Setting: V = 6, every request drafts the same static tree shape, depth 2: three children
+of the root, two children under each of them (9 nodes). Target and draft are Markov
+"models" (``P0``, ``P1[x]``, ``P2[y]``: the distribution after the root, after a depth-1
+token x, after a depth-2 token y; ``Q0``, ``Q1[x]`` the same for the drafter), with exact
+zeros and different supports, so ``p(x) = 0``, ``q(x) = 0`` and residuals that exclude
+tokens all happen. 100,000 requests, each with fresh drafts, verified in ONE
+``verify_tree`` call.
+
+Losslessness, checked per output column: among the requests whose output reaches column
+j, grouped by the tokens before it, the token in column j must follow the target's
+conditional (``P0``, ``P1[t0]``, ``P2[t1]``): once a path is accepted, the next token is a
+fresh verification at that node whatever the path's siblings were. Pearson chi-square,
+cells expected below 5 pooled per group, p-value > 1e-3 with fixed seeds.
+
+Proposals: ``"sampled"`` (SpecInfer) gets children drawn i.i.d. from q, in draw order
+(duplicates happen). ``"deterministic"`` gets, per request at random, either the
+drafter's top-k (the EAGLE-2 case) or i.i.d. draws (duplicate siblings), since the rule is
+lossless for any children chosen without the verifier's randomness. A control shows that
+the sampled rule applied to top-k children (a proposal it is NOT made for) is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from vllm_specx.algorithms.draft_tree import TreeBatch, tree_from_paths, verify_tree
+
+V, N = 6, 100_000
+SIGNIFICANCE = 1e-3
+SHAPE = tree_from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]])
+ROOT_CHILDREN, CHILDREN = 3, 2
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _table(g: torch.Generator, rows: int, zeros: int = 2, scale: float = 1.0) -> torch.Tensor:
+    """[rows, V] distributions, each with ``zeros`` exact zeros and no tiny entries."""
+    logits = scale * torch.randn(rows, V, generator=g, dtype=torch.float64)
+    drop = torch.rand(rows, V, generator=g).argsort(dim=1)[:, :zeros]
+    support = torch.ones(rows, V, dtype=torch.bool).scatter(1, drop, False)
+    probs = logits.masked_fill(~support, -torch.inf).softmax(-1)
+    probs = 0.8 * probs + 0.2 * support / support.sum(1, keepdim=True)
+    return probs.float()
+
+
+def _drafter(g: torch.Generator, target: torch.Tensor) -> torch.Tensor:
+    """Rows near the target's, each with one exact zero of its own."""
+    mix = 0.5 * target + 0.5 * _table(g, target.shape[0], zeros=1)
+    drop = torch.randint(0, V, (target.shape[0], 1), generator=g)
+    mix = mix.scatter(1, drop, 0.0)
+    return mix / mix.sum(1, keepdim=True)
+
+
+def chi_square(tokens: torch.Tensor, dists: torch.Tensor, groups: torch.Tensor):
+    """Pearson chi-square of ``tokens`` against per-request ``dists``, pooled per group.
+
+    Returns (statistic, dof, p-value); asserts no token of probability 0 was emitted.
+    """
+    groups = torch.unique(groups, return_inverse=True)[1]
+    n_groups = int(groups.max()) + 1
+    observed = torch.zeros(n_groups, V, dtype=torch.float64)
+    observed.index_put_((groups, tokens), torch.ones(len(tokens), dtype=torch.float64), True)
+    dists = dists.double() / dists.double().sum(1, keepdim=True)
+    expected = torch.zeros(n_groups, V, dtype=torch.float64).index_add_(0, groups, dists)
+    impossible = expected == 0
+    assert observed[impossible].sum() == 0, "a token with probability 0 was emitted"
+    small = (expected < 5) & ~impossible
+    big = ~small & ~impossible
+    stat = float(((observed - expected) ** 2 / expected)[big].sum())
+    cells = int(big.sum())
+    pooled_obs, pooled_exp = (observed * small).sum(1), (expected * small).sum(1)
+    has_pool = pooled_exp > 0
+    stat += float(((pooled_obs - pooled_exp) ** 2 / pooled_exp)[has_pool].sum())
+    cells += int(has_pool.sum())
+    dof = cells - n_groups
+    assert dof > 0
+    return stat, dof, float(stats.chi2.sf(stat, dof))
+
+
+def _children(q_rows: torch.Tensor, k: int, g: torch.Generator, top_k: torch.Tensor):
+    """[N, k] children: i.i.d. draws from q_rows [N, V], or its top-k where ``top_k``."""
+    drawn = torch.multinomial(q_rows, k, replacement=True, generator=g)
+    best = q_rows.topk(k, dim=1).indices
+    return torch.where(top_k[:, None], best, drawn)
+
+
+class TreeDraws:
+    """One 100k-request tree verification of the Markov setting, and what it emitted."""
+
+    def __init__(self, rule: str, proposal: str, seed: int, tau: float = 0.3):
+        g = torch.Generator().manual_seed(seed)
+        self.p0, self.p1, self.p2 = _table(g, 1, scale=2.0), _table(g, V, scale=2.0), _table(g, V)
+        # A drafter that roughly knows the target, with its own zeros (q = 0 where p > 0
+        # and the other way round both occur).
+        self.q0, self.q1 = _drafter(g, self.p0), _drafter(g, self.p1)
+        top_k = {"iid": torch.zeros(N, dtype=torch.bool), "topk": torch.ones(N, dtype=torch.bool),
+                 "mixed": torch.rand(N, generator=g) < 0.5}[proposal]
+        d1 = _children(self.q0.expand(N, V), ROOT_CHILDREN, g, top_k)  # [N, 3]
+        d2 = torch.stack(  # [N, 3, 2]: children of each depth-1 node
+            [_children(self.q1[d1[:, i]], CHILDREN, g, top_k) for i in range(ROOT_CHILDREN)], 1
+        )
+        n_nodes = SHAPE.num_nodes
+        # Node order of SHAPE: the 3 depth-1 nodes, then the children of node 0, 1, 2.
+        tokens = torch.cat([d1, d2.reshape(N, -1)], dim=1)  # [N, 9]
+        # node_probs: per request [root row, then the row after each node].
+        rows = torch.cat([self.p0.expand(N, V)[:, None], self.p1[d1], self.p2[d2.reshape(N, -1)]],
+                         dim=1)  # [N, 10, V]
+        q_rows = torch.cat([self.q0.expand(N, ROOT_CHILDREN, V), self.q1[d1].repeat_interleave(
+            CHILDREN, dim=1)], dim=1)  # [N, 9, V]: the row each node was drawn from
+        self.tokens = tokens
+        self.batch = TreeBatch(
+            tokens.reshape(-1),
+            SHAPE.parents_tensor().repeat(N),
+            torch.arange(1, N + 1) * n_nodes,
+            max_num_nodes=n_nodes, max_depth=2, max_children=ROOT_CHILDREN,
+        )
+        q_tok = q_rows.gather(2, tokens[:, :, None]).squeeze(2)
+        self.verdict = verify_tree(
+            self.batch,
+            rows.reshape(-1, V),
+            rule=rule,
+            is_greedy=torch.zeros(N, dtype=torch.bool),
+            uniforms=torch.rand(N * n_nodes, generator=g),
+            exp_noise=torch.empty(N, V).exponential_(generator=g),
+            draft_probs=q_rows.reshape(-1, V) if rule == "sampled" else None,
+            draft_token_probs=q_tok.reshape(-1) if rule == "mtad" else None,
+            acceptance_threshold=tau,
+        )
+        self.out = self.verdict.output_token_ids
+        self.accepted = self.verdict.num_accepted
+
+    def target_row(self, j: int, prefix: torch.Tensor) -> torch.Tensor:
+        """The target distribution at column j given the emitted prefix [n, >= j]."""
+        n = prefix.shape[0]
+        if j == 0:
+            return self.p0.expand(n, V)
+        return (self.p1 if j == 1 else self.p2)[prefix[:, j - 1]]
+
+    def columns(self) -> list[tuple[int, int, float]]:
+        """(column, requests reaching it, chi-square p-value against the target)."""
+        results = []
+        for j in range(3):
+            reached = self.out[:, j] != -1
+            prefix = self.out[reached].clamp(min=0)
+            group = prefix[:, j - 1] if j else torch.zeros(len(prefix), dtype=torch.int64)
+            stat, dof, p = chi_square(self.out[reached, j], self.target_row(j, prefix), group)
+            print(f"column {j}: n={int(reached.sum())} chi2={stat:.1f} dof={dof} p={p:.3g}")
+            results.append((j, int(reached.sum()), p))
+        return results
+
+
+@pytest.mark.parametrize(
+    "rule, proposal, seed",
+    [("sampled", "iid", 101), ("deterministic", "mixed", 202), ("deterministic", "iid", 303)],
+)
+def test_sampled_tree_rules_reproduce_the_target(rule: str, proposal: str, seed: int) -> None:
+    draws = TreeDraws(rule, proposal, seed)
+    results = draws.columns()
+    assert all(n > 5_000 for _, n, _ in results), results
+    assert all(p > SIGNIFICANCE for *_, p in results), results
+    # Not a degenerate run: every depth is reached, and later siblings get accepted.
+    assert set(draws.accepted.unique().tolist()) == {0, 1, 2}
+    first = draws.verdict.accepted_nodes[:, 0]
+    assert ((first == 1) | (first == 2)).float().mean() > 0.05
+    # Duplicate siblings occurred (i.i.d. draws), and none was accepted after its twin.
+    if proposal != "topk":
+        d1 = draws.tokens[:, :ROOT_CHILDREN]
+        assert (d1[:, 0] == d1[:, 1]).float().mean() > 0.05
+
+
+def test_mtad_extra_token_follows_p_at_the_accepted_node() -> None:
+    draws = TreeDraws("mtad", "iid", seed=404, tau=1.0)
+    a = draws.accepted
+    assert (torch.bincount(a, minlength=3) > 500).all(), torch.bincount(a)  # every depth
+    tokens = draws.out.gather(1, a[:, None]).squeeze(1)
+    prefix = draws.out.clamp(min=0)
+    dist = torch.zeros(N, V)
+    for depth in range(3):
+        at = a == depth
+        dist[at] = draws.target_row(depth, prefix[at])
+    prev = torch.where(a > 0, prefix.gather(1, (a - 1).clamp(min=0)[:, None]).squeeze(1), 0)
+    stat, dof, pval = chi_square(tokens, dist, a * V + prev)
+    print(f"mtad extra token: chi2={stat:.1f} dof={dof} p={pval:.3g}")
+    assert pval > SIGNIFICANCE
+
+
+def test_the_sampled_rule_on_top_k_children_is_caught() -> None:
+    """Control: SpecInfer's rule assumes i.i.d. children; fed the drafter's top-k it is
+    biased, and the same chi-square machinery says so decisively."""
+    draws = TreeDraws("sampled", "topk", seed=505)
+    assert min(p for *_, p in draws.columns()) < 1e-12
