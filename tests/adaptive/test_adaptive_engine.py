@@ -48,7 +48,50 @@ SPEC: dict[str, Any] = {
     "method": "adaptive",
     "num_speculative_tokens": K_MAX,
     "confidence_threshold": 0.4,
+    # Exact draft counts are asserted: lengths must not follow measured timings. The cost
+    # control runs in its own scenarios below, with an injected cost model.
+    "cost_control": False,
 }
+N_STAT_COST = 400
+
+
+class ScriptedRates:
+    """Stands in for the cost control's acceptance history (``history.rates``): request
+    ``i`` (by prompt order) looks good on the steps where ``(step + i) % 3 == 0`` and
+    hopeless otherwise, and every request looks hopeless on each fourth step: lengths then
+    change from step to step, some steps draft for only some requests and some for none,
+    whatever the timing."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.step = 0
+
+    def __call__(self, req_ids: list[str]) -> Any:
+        import numpy as np
+
+        self.step += 1
+        out = np.full((len(req_ids), self.k), 0.02)
+        for row, rid in enumerate(req_ids):
+            i = int(rid.rsplit("-", 1)[0]) % 4
+            if self.step % 4 != 3 and (self.step + i) % 3 == 0:
+                out[row] = 0.95
+        return out
+
+
+def _inject_cost_control(drafter: Any) -> Any:
+    """Turn the drafter's cost control on with a fixed cost model and scripted rates: the
+    lengths it picks are then a function of the step count, never of the clock."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    drafter.settings["cost_control"] = True
+    control = drafter.cost_control(K_MAX)
+    # A memory-bound target (a verified draft token costs 2% of a step): a good request's
+    # drafts pay up to K at batch 4 and 16, a hopeless one's never.
+    control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                    target_per_token=0.02, draft_pass=0.02, draft_row=0.01)
+    control.history.rates = ScriptedRates(K_MAX)
+    control.history.probe_interval = 10**9  # no probes: zero means zero
+    return control
 
 
 @dataclass
@@ -185,6 +228,24 @@ def runs() -> dict[str, Any]:
         out["many"], out["preemptions"] = run_counting_preemptions(
             llm, lambda: output_ids(generate(llm, prompts["many"], greedy(150))))
         out["stats"] = runner.drafter.specx_stats()
+        # Cost control (issue 32) with an injected cost model: lengths change step to
+        # step, including steps where nobody drafts and steps where only some do.
+        control = _inject_cost_control(runner.drafter)
+        out["cost_short"] = counted(
+            "cost_short", lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
+        out["cost_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["cost_stops"] = output_ids(generate(llm, prompts["short"], [
+            greedy(1), greedy(2), greedy(5), greedy(K_MAX + 1)]))
+        params = [SamplingParams(temperature=STAT_TEMPERATURE, top_k=STAT_TOP_K,
+                                 seed=20_000 + i, max_tokens=3) for i in range(N_STAT_COST)]
+        out["stat_cost"] = counted("stat_cost", lambda: [
+            tuple(x) for x in output_ids(generate(llm, prompts["stat"] * N_STAT_COST, params))])
+        out["cost_stats"] = control.describe()
+        # The knob off: the stop rule alone decides again (the injected model would draft
+        # nothing on most steps).
+        runner.drafter.settings["cost_control"] = False
+        out["cost_off"] = counted(
+            "cost_off", lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
     finally:
         shutdown_llm(llm)
     return out
@@ -329,3 +390,63 @@ def test_sampled_output_is_distributed_as_the_target(runs, mode):
     scale = sum(observed) / sum(expected)
     _, p_value = chisquare(observed, [e * scale for e in expected])
     assert p_value > 1e-3, (mode, p_value, observed, expected)
+
+
+def test_cost_control_keeps_greedy_output_while_lengths_change(runs):
+    """Cost control on, lengths from an injected cost model and scripted acceptance: steps
+    where nobody drafts (plain decode steps), where only some requests draft, lengths that
+    change step to step; greedy output equals no speculation, and the scheduler and
+    vLLM's counters saw exactly the lengths drafted (zeros included)."""
+    assert runs["cost_short"] == runs["plain_short"]
+    assert runs["cost_ragged"] == runs["plain_ragged"]
+    assert runs["cost_stops"] == runs["plain_stops"]
+    rounds = runs["cost_short_rounds"]
+    full = [r for r in rounds if len(r.lengths) == 4]
+    assert any(not any(r.lengths) for r in full)  # nobody drafts
+    assert any(0 in r.lengths and any(r.lengths) for r in full)  # only some do
+    assert len({n for r in full for n in r.lengths} - {0}) > 1  # and not one fixed K
+    per_request: dict[str, set[int]] = {}
+    for r in rounds:
+        for rid, n in zip(r.req_ids, r.lengths):
+            per_request.setdefault(rid, set()).add(n)
+    assert all(len(v) > 1 for v in per_request.values())
+    last: dict[str, int] = {}
+    for i, r in enumerate(rounds):
+        for rid in r.req_ids:
+            last[rid] = i
+    scheduled = [n for i, r in enumerate(rounds) for rid, n in zip(r.req_ids, r.lengths)
+                 if i != last[rid]]
+    c = runs["cost_short_counts"]
+    assert c["drafted"] == sum(scheduled)
+    assert c["drafts"] == sum(n > 0 for n in scheduled)  # a zero-length draft is no draft
+    s = runs["cost_stats"]
+    assert s["steps"] > 0 and s["all_zero_steps"] > 0 and s["partial_zero_steps"] > 0
+
+
+def test_cost_control_keeps_the_sampled_distribution(runs):
+    """Chi-square as above, the sampled drafts under the cost control's changing lengths."""
+    from scipy.stats import chisquare
+
+    samples = runs["stat_cost"]
+    c = runs["stat_cost_counts"]
+    assert 0 < c["accepted"] < c["drafted"]
+    dist = _exact_three_token_distribution(runs["prompts"]["stat"][0])
+    assert set(samples) <= set(dist)
+    counts = {k: 0 for k in dist}
+    for x in samples:
+        counts[x] += 1
+    big = [k for k in dist if dist[k] * len(samples) >= 5]
+    small = [k for k in dist if k not in big]
+    observed = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
+    expected = [dist[k] * len(samples) for k in big] + (
+        [sum(dist[k] for k in small) * len(samples)] if small else [])
+    scale = sum(observed) / sum(expected)
+    _, p_value = chisquare(observed, [e * scale for e in expected])
+    assert p_value > 1e-3, (p_value, observed, expected)
+
+
+def test_cost_control_off_knob(runs):
+    """``cost_control: false``: every round drafts at least one token again."""
+    assert runs["cost_off"] == runs["plain_short"]
+    lengths = [n for r in runs["cost_off_rounds"] for n in r.lengths]
+    assert lengths and all(1 <= n <= K_MAX for n in lengths)

@@ -99,7 +99,9 @@ def runs(target: str, eagle3_head: str,
     torch.manual_seed(0)
     head_dir = save_head(AcceptanceHead(256, num_blocks=1),  # the fixture's hidden size
                          tmp_path_factory.mktemp("acceptance_head"))
-    spec = {**vllm_spec, "adaptive": True, "acceptance_head": str(head_dir)}
+    # cost_control off: exact draft counts are asserted (lengths must not follow timings).
+    spec = {**vllm_spec, "adaptive": True, "acceptance_head": str(head_dir),
+            "cost_control": False}
     llm = make_llm(target, speculative_config=spec, **ENGINE_KW)
     try:
         config = llm.llm_engine.vllm_config

@@ -255,8 +255,28 @@ def test_adaptive_translation():
     assert result.specx_settings == {
         "method": "adaptive", "num_speculative_tokens": 12, "min_speculative_tokens": 2,
         "stop_threshold": 0.3, "acceptance_head": None, "confidence_threshold": 0.5,
-        "confidence_signal": "token_prob", "draft_sampling": "sampled",
+        "confidence_signal": "token_prob", "draft_sampling": "sampled", "cost_control": True,
     }
+
+
+@pytest.mark.parametrize(("config", "allowed"), [
+    ({"method": "adaptive", "model": "d", "cost_control": "off"}, "true or false"),
+    ({"method": "adaptive", "model": "d", "cost_control": 0}, "true or false"),
+    ({"method": "specx_mtp", "cost_control": False}, '"adaptive": true'),
+])
+def test_cost_control_knob_refused_in_one_line(config, allowed):
+    with pytest.raises(SpecxConfigError) as err:
+        run(config)
+    msg = str(err.value)
+    assert "\n" not in msg and "cost_control" in msg and allowed in msg
+
+
+def test_cost_control_off():
+    result = run({"method": "adaptive", "model": "d", "cost_control": False})
+    assert result.specx_settings["cost_control"] is False
+    result = run({"method": "specx_eagle3", "model": "d", "adaptive": True,
+                  "cost_control": False})
+    assert result.specx_settings["cost_control"] is False
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [

@@ -49,8 +49,9 @@ PAIR, MTP = "pair", "mtp"
 SCALE_OUT = os.environ.get("VLLM_SPECX_SCALE_OUT_TESTS") == "1"
 # Two engine cores behind one API server (vLLM defaults to one API server per DP rank).
 DP2 = ("--data-parallel-size", "2", "--api-server-count", "1")
+# cost_control off: drafts and acceptances are asserted, which must not follow timings.
 ADAPTIVE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
-            "confidence_threshold": 0.5}
+            "confidence_threshold": 0.5, "cost_control": False}
 MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}
 
 # One entry per speculative method under load: (target, speculative config[, extra
@@ -61,7 +62,8 @@ LOAD_METHODS = [
     # each of the two engines with the small KV cache, so one server proves both (a third
     # single-engine server cost ~50 s of the suite's budget).
     pytest.param(
-        (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True}),
+        (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True,
+               "cost_control": False}),
         id="specx_mtp",
     ),
     pytest.param((PAIR, ADAPTIVE, DP2), id="adaptive-dp2"),

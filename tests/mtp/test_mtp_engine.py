@@ -43,6 +43,8 @@ SPEC: dict[str, Any] = {
     "method": "specx_mtp",
     "num_speculative_tokens": K,
     "adaptive": True,
+    # Exact draft counts are asserted: lengths must not follow measured timings.
+    "cost_control": False,
     # confidence_threshold: specx_mtp's default (0.2). The fixture's MTP layer is mostly
     # right but as flat as its target (top probability ~0.25), so at 0.2 some drafts stop
     # after one token and others run to K.

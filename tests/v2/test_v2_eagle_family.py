@@ -180,7 +180,7 @@ def test_specx_eagle3_adaptive_greedy_equals_no_speculation(v2_engine, v2_host, 
     head = build_eagle3_head(str(tmp_path_factory.mktemp("v2_eagle3_head")))
     d = v2_engine("specx_eagle3", TARGET, speculative_config={
         "method": "specx_eagle3", "model": head, "num_speculative_tokens": k,
-        "adaptive": True, "confidence_threshold": 0.3})
+        "adaptive": True, "confidence_threshold": 0.3, "cost_control": False})
     assert d["speculator"] == "vllm_specx.glue.v2_eagle.EagleChainV2Speculator"
     assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
     out, c = _delta(v2_host, "specx_eagle3",
@@ -197,7 +197,8 @@ def test_specx_mtp_adaptive_on_v2_greedy_ragged(mtp, v2_engine, v2_host):
     k = 4
     _only_engine(v2_host)
     d = v2_engine("specx_mtp_adaptive", MTP_TARGET, speculative_config={
-        "method": "specx_mtp", "num_speculative_tokens": k, "adaptive": True}, **MTP_KWARGS)
+        "method": "specx_mtp", "num_speculative_tokens": k, "adaptive": True,
+        "cost_control": False}, **MTP_KWARGS)
     assert d["speculator"] == "vllm_specx.glue.v2_eagle.MtpChainV2Speculator"
     ref = mtp["ref"]["ragged"]
     stop = ref[2][4]

@@ -159,6 +159,10 @@ def markdown_table(report: dict[str, Any]) -> str:
         + f" ({costs.get('method', '')})",
         f"- {report.get('formulas', {}).get('projected_speedup', '')}",
     ]
+    for cfg in report.get("configs", []):
+        control = (cfg.get("drafter_stats") or {}).get("cost_control")
+        if control:
+            notes.append(f"- cost control of {cfg.get('name')}: {cost_control_line(control)}")
     if plat.get("device_type") == "cpu":
         notes.append(
             "- wall-clock numbers on the CPU reference backend move with the machine's load; "
@@ -166,6 +170,28 @@ def markdown_table(report: dict[str, Any]) -> str:
             "speed-up"
         )
     return "\n".join(lines + notes) + "\n"
+
+
+def cost_control_line(control: dict[str, Any]) -> str:
+    """The cost model a drafter's cost control used (``glue/cost_model.py``'s
+    ``describe()``) and what it decided, in one line."""
+    model = control.get("model")
+    if isinstance(model, dict):
+        t, r = model.get("target_ms") or {}, model.get("round_ms") or {}
+        text = (
+            f"target step {_fmt(t.get('base'), 2)} ms + {_fmt(t.get('per_request'), 3)} ms "
+            f"per request + {_fmt(t.get('per_draft_token'), 3)} ms per draft token verified; "
+            f"round {_fmt(r.get('any_draft'), 2)} ms + {_fmt(r.get('per_pass'), 3)} ms per "
+            f"lookahead pass + {_fmt(r.get('per_row'), 3)} ms per row ({model.get('source')}, "
+            f"{model.get('target_steps_measured')} steps)"
+        )
+    else:
+        text = str(model)
+    return (
+        f"{text}; {control.get('steps')} steps planned, {control.get('all_zero_steps')} "
+        f"drafting nothing, {control.get('partial_zero_steps')} drafting for some requests "
+        f"only; pooled acceptance per position {control.get('pooled_acceptance')}"
+    )
 
 
 def _model_line(info: Any) -> str:

@@ -47,6 +47,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule
+from vllm_specx.glue.cost_model import CostControl
 from vllm_specx.glue.draft_passes import (
     RoundStart,
     SpecxPasses,
@@ -119,6 +120,11 @@ class ChainRound:
         super().__init__(*args, **kwargs)
         self.stats = ChainDraftStats()
         self.head: torch.nn.Module | None = None
+        # V1 proposers get the runner as their third argument and keep nothing of it; cost
+        # control reads the batch's request ids off it (a V2 speculator sets its own).
+        if getattr(self, "runner", None) is None:
+            self.runner = args[2] if len(args) > 2 else kwargs.get("runner")
+        self._cost_control: CostControl | None = None
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -129,13 +135,32 @@ class ChainRound:
         self.head = load_acceptance_head(self.settings, self.device, dtype)
 
     def specx_stats(self) -> dict[str, Any]:
-        return self.stats.as_dict()
+        stats = self.stats.as_dict()
+        if self._cost_control is not None:
+            stats["cost_control"] = self._cost_control.describe()
+        return stats
 
     # -- hooks ------------------------------------------------------------------------
 
     def stop_rule(self, k_max: int) -> DraftStopRule:
         """The round's rule (``k_max``: what the runner asks for this step)."""
         return round_stop_rule(self.settings, k_max, self.head)
+
+    def cost_control(self, k_max: int) -> CostControl | None:
+        """The drafter's cost control (``glue/cost_model.py``), or None when the
+        ``cost_control`` setting is off (then the stop rule alone decides)."""
+        if not self.settings.get("cost_control", False):
+            return None
+        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        if parallel is not None and (
+                parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1):
+            # Every rank runs the same draft passes in lockstep (collectives inside): lengths
+            # from each rank's own clock could differ between ranks, so none are used.
+            return None
+        if self._cost_control is None:
+            configured = self.settings.get("num_speculative_tokens") or k_max
+            self._cost_control = CostControl(max(int(configured), k_max))
+        return self._cost_control
 
     def read_pass(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(what the LM head reads, what the acceptance head reads) of a pass's output
@@ -164,6 +189,12 @@ class ChainRound:
             return start.no_drafts()
 
         device = start.out.device
+        control = self.cost_control(k_max)
+        req_ids = start.req_ids
+        if control is not None:
+            control.begin(req_ids, start.num_rejected, start.target_tokens)
+            if req_ids is None:
+                req_ids = tuple(str(r) for r in range(num_reqs))
         lm_in, head_in = self.read_pass(start.out)
         greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs, device)
         argmax_only = self.drafts_argmax()
@@ -173,6 +204,10 @@ class ChainRound:
         generators = sampling_metadata.generators or {}
 
         rule = self.stop_rule(k_max)
+        caps = None
+        if control is not None:
+            plan = control.plan(req_ids, k_max, rule, device)
+            rule, caps = plan.rule, plan.caps
         state = rule.start(num_reqs, device)
         tokens = torch.zeros(num_reqs, k_max, dtype=torch.int64)  # host: tails are fed from it
         lengths = torch.zeros(num_reqs, dtype=torch.int64)
@@ -180,6 +215,16 @@ class ChainRound:
         # [R, H]: each request's latest hidden state, for drafters whose next pass reads it.
         hidden_by_req = head_in.clone() if self.feeds_hidden else None
         live = torch.arange(num_reqs)  # host indices of the requests still drafting
+        if caps is not None and not bool(caps.all()):
+            # Cost control planned zero tokens for some requests: the drafter does no
+            # work for them (not even their first token's logits); nobody: no work at all.
+            live = live[caps > 0]
+            if live.numel() == 0:
+                self.stats.record([0] * num_reqs, k_max, start.first_tokens, 0, 0)
+                control.end(req_ids, [0] * num_reqs, 0, 0)
+                return [[] for _ in range(num_reqs)]
+            dev_live = live.to(device)
+            lm_in, head_in = lm_in[dev_live], head_in[dev_live]
 
         passes = self.lookahead_passes(start.cad, start.sample_positions, start.base_seq_lens)
         n_passes = n_rows = 0
@@ -225,6 +270,9 @@ class ChainRound:
             n_passes += 1
             n_rows += live.numel()
 
+        if caps is not None:
+            lengths = torch.minimum(lengths, caps)
+            control.end(req_ids, lengths.tolist(), n_passes, n_rows)
         self.stats.record(lengths.tolist(), k_max, start.first_tokens, n_passes, n_rows)
         if q_full is not None:
             # The runner slices [row, :num_draft] per request: rows past a request's

@@ -91,6 +91,12 @@ class RoundStart:
     # P + 1 per request once the round starts: the first pass's seq_lens minus the
     # rejected drafts still counted there (padded drafter batch).
     base_seq_lens: torch.Tensor
+    # For cost control (glue/cost_model.py): the batch's request ids, each request's
+    # rejected drafts in the step just verified ([R]) and the target's query tokens of
+    # that step (None where a runner does not say).
+    req_ids: tuple[str, ...] | None = None
+    num_rejected: torch.Tensor | None = None
+    target_tokens: int | None = None
 
     def no_drafts(self) -> torch.Tensor:
         """The ``[R, 0]`` drafts of a round with K = 0 (vLLM's proposers return that)."""
@@ -135,6 +141,7 @@ class SpecxPasses(SpecDecodeBaseProposer):
         self.num_speculative_tokens = k
         self._last_draft_probs = None
         num_reqs = common_attn_metadata.batch_size()
+        target_tokens = int(common_attn_metadata.num_actual_tokens)
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
@@ -160,8 +167,12 @@ class SpecxPasses(SpecDecodeBaseProposer):
         base_seq_lens = cad.seq_lens
         if num_rejected_tokens_gpu is not None:
             base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
+        runner = getattr(self, "runner", None)
+        req_ids = (tuple(runner.input_batch.req_ids[:num_reqs])
+                   if runner is not None and hasattr(runner, "input_batch") else None)
         start = RoundStart(k, num_reqs, out[token_indices_to_sample], sample_positions, cad,
-                           int(num_tokens), base_seq_lens)
+                           int(num_tokens), base_seq_lens, req_ids, num_rejected_tokens_gpu,
+                           target_tokens)
         return self.draft_round(start, sampling_metadata)
 
     def draft_round(

@@ -49,6 +49,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule
 from vllm_specx.config import specx_settings
 from vllm_specx.glue.chain_drafter import ChainDrafter, ChainRound
+from vllm_specx.glue.cost_model import CostControl
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import METHODS
 
@@ -67,6 +68,12 @@ class EagleRoundHooks(ChainRound):
         if not self.settings.get("adaptive"):
             return AlwaysContinue(k_max)
         return super().stop_rule(k_max)
+
+    def cost_control(self, k_max: int) -> CostControl | None:
+        """Only over the adaptive stop: without ``adaptive`` every request drafts K."""
+        if not self.settings.get("adaptive"):
+            return None
+        return super().cost_control(k_max)
 
     def drafts_argmax(self) -> bool:
         # Every request drafts the argmax (one-hot q); the probabilities the draw returns

@@ -123,6 +123,8 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
                     self.block_tables.block_tables[self._draft_group()].gpu[
                         input_batch.idx_mapping[:num_reqs]]),
             int(input_batch.num_tokens), sample_positions + 1,
+            tuple(input_batch.req_ids[:num_reqs]), num_rejected[:num_reqs],
+            int(input_batch.num_tokens),
         )
         drafts = self.draft_round(
             start, self.sampling_view(input_batch, temperature, seeds, sample_positions))

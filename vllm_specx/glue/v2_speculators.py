@@ -314,6 +314,8 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
                         input_batch.idx_mapping[:num_reqs]]),
             int(input_batch.num_tokens) + num_reqs,
             sample_positions + 1,
+            tuple(input_batch.req_ids[:num_reqs]), num_rejected[:num_reqs],
+            int(input_batch.num_tokens),
         )
         drafts = self.draft_round(
             start, self.sampling_view(input_batch, temperature, seeds, sample_positions))

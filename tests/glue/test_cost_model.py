@@ -1,0 +1,72 @@
+"""``glue/cost_model.py``: the online cost model recovers the costs a scripted clock
+charges, ignores idle gaps and prefill steps, and the control learns each request's
+acceptance from the rejected counts and plans zero for a request whose drafts fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specx.algorithms.draft_length import StepCosts
+from vllm_specx.algorithms.draft_stop import ConfidenceStop
+from vllm_specx.glue.cost_model import CostControl, MeasuredCosts
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+TRUE = StepCosts(target_base=0.010, target_per_request=0.0005, target_per_token=0.001,
+                 draft_pass=0.002, draft_row=0.0002, draft_round=0.001)
+
+
+def _steps(model: MeasuredCosts, clock: Clock, n: int, rng: np.random.Generator) -> None:
+    """``n`` steps of varying batch and lengths, each costing exactly TRUE's times."""
+    for _ in range(n):
+        b = int(rng.integers(1, 9))
+        s = int(rng.integers(0, 4 * b + 1))
+        clock.now += float(TRUE.target(b, s))
+        model.round_begins(b, s)
+        passes = int(rng.integers(0, 4))
+        rows = passes * int(rng.integers(1, b + 1))
+        clock.now += TRUE.draft_round + TRUE.draft_pass * passes + TRUE.draft_row * rows
+        model.round_ends(True, passes, rows)
+
+
+def test_measured_costs_recover_the_scripted_costs():
+    clock = Clock()
+    model = MeasuredCosts(clock)
+    before = model.step_costs()  # the prior before anything is measured: sane, positive
+    assert before.target_base > 0 and before.target_per_token > 0
+    model.round_ends(False, 0, 0)  # the first round: nothing to time before it
+    _steps(model, clock, 200, np.random.default_rng(0))
+    got = model.step_costs()
+    for name in ("target_base", "target_per_request", "target_per_token", "draft_pass",
+                 "draft_row", "draft_round"):
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.05, abs=2e-5)
+    # An idle gap between two generate calls is not a step; a prefill step is not used.
+    count = model.target.count
+    clock.now += 5.0
+    model.round_begins(4, 4)
+    model.round_ends(True, 0, 0)
+    model.round_begins(4, None)
+    assert model.target.count == count and model.skipped == 2
+    assert model.describe()["source"] == "measured online"
+
+
+def test_control_learns_acceptance_and_plans_zero_for_failing_drafts():
+    control = CostControl(4)
+    control.fixed_costs = StepCosts(1.0, 0.0, 0.15, 0.05, 0.02)
+    inner = ConfidenceStop(0.0, max_tokens=4)
+    ids = ("good", "bad")
+    for _ in range(30):
+        control.begin(ids, torch.tensor([0, 4]), None)  # "good" keeps all, "bad" none
+        plan = control.plan(ids, 4, inner, torch.device("cpu"))
+        control.end(ids, [4, 4], 3, 6)  # as if both had drafted 4
+    assert plan.caps.tolist()[0] > 0 and plan.caps.tolist()[1] == 0
+    assert control.describe()["partial_zero_steps"] > 0

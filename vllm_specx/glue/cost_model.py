@@ -1,0 +1,268 @@
+"""Cost control for the chain-draft rounds (issue 32): the engine measures its own step
+costs online, keeps each request's acceptance, and plans every step's draft lengths
+(``algorithms/draft_length.py``) so that drafting happens only where it pays.
+
+Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
+
+* the **target side** of a step: the wall time from the end of one drafting round to the
+  start of the next, i.e. scheduling, the target's forward over ``B`` requests verifying
+  ``S`` draft tokens, sampling and bookkeeping, and the drafter's first pass (which runs
+  for every step anyway: it keeps the draft's KV cache in sync). Fitted as
+  ``a + b * B + c * S`` over decode steps (steps with prefill tokens are skipped, and an
+  interval far above the model, such as the idle gap between two ``generate`` calls, is
+  dropped);
+* the **round**: its wall time, fitted as ``round * [anyone drafts] + pass * passes +
+  row * rows`` (passes: lookahead passes; rows: their request rows).
+
+Both are recursive least squares with forgetting (about the last 100 steps) over a prior
+(pseudo-observations with a small constant weight). The prior is relative (a verification
+row costs 5% of a target step, a draft row 1%, ...) and takes its scale from the first
+measured step, so the first steps are sane on any device; only cost ratios decide lengths.
+On CPU the round's clocks are exact; on a GPU the round synchronises with the host when it
+returns its ragged drafts, so the round's end time is real.
+
+Tests inject a fixed model (:attr:`CostControl.fixed_costs`) so lengths do not depend on
+timing; greedy outputs never do.
+
+No vLLM import: the round (``glue/chain_drafter.py``) calls :class:`CostControl`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_specx.algorithms.draft_length import (
+    AcceptanceHistory,
+    CostStop,
+    StepCosts,
+    choose_draft_lengths,
+    expected_gains,
+)
+from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, HeadStop
+
+# Relative prior (units of one target base step): see the module doc.
+PRIOR_TARGET = (1.0, 0.02, 0.05)  # base, per request, per draft token verified
+PRIOR_ROUND = (0.05, 0.08, 0.01)  # round (anyone drafts), per lookahead pass, per row
+PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
+FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
+OUTLIER_FACTOR = 5.0  # an interval this many times the model's is not a step
+MIN_OBSERVATIONS_FOR_OUTLIERS = 8
+
+
+class _Regression:
+    """Least squares ``y ~ x . theta`` with forgetting over fixed prior pseudo-points."""
+
+    def __init__(self, dims: int) -> None:
+        self.dims = dims
+        self.prior_a = np.zeros((dims, dims))
+        self.prior_b = np.zeros(dims)
+        self.a = np.zeros((dims, dims))
+        self.b = np.zeros(dims)
+        self.count = 0
+
+    def set_prior(self, points: Sequence[tuple[np.ndarray, float]]) -> None:
+        w = PRIOR_WEIGHT / max(len(points), 1)
+        self.prior_a = sum(w * np.outer(x, x) for x, _ in points)
+        self.prior_b = sum(w * x * y for x, y in points)
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        self.a = FORGETTING * self.a + np.outer(x, x)
+        self.b = FORGETTING * self.b + x * y
+        self.count += 1
+
+    def theta(self, fallback: np.ndarray) -> np.ndarray:
+        if self.count == 0:
+            return fallback  # nothing measured yet: the prior itself
+        a = self.a + self.prior_a + 1e-12 * np.eye(self.dims)
+        try:
+            theta = np.linalg.solve(a, self.b + self.prior_b)
+        except np.linalg.LinAlgError:
+            return fallback
+        # Costs are not negative; a slope the data cannot pin down falls back to the prior.
+        return np.where(theta >= 0, theta, np.maximum(fallback, 0.0))
+
+    def predict(self, x: np.ndarray, fallback: np.ndarray) -> float:
+        return float(x @ self.theta(fallback))
+
+
+class MeasuredCosts:
+    """The step cost model measured from the engine's own steps (see the module doc)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.target = _Regression(3)  # [1, B, S]
+        self.round = _Regression(3)  # [anyone drafts, passes, rows]
+        self.scale: float | None = None  # seconds per relative unit, from the first step
+        self._round_end: float | None = None
+        self._round_start: float | None = None
+        self.skipped = 0  # intervals not used (prefill steps, outliers)
+
+    def _prior_target(self) -> np.ndarray:
+        return np.array(PRIOR_TARGET) * (self.scale or 1.0)
+
+    def _prior_round(self) -> np.ndarray:
+        return np.array(PRIOR_ROUND) * (self.scale or 1.0)
+
+    def _set_scale(self, num_reqs: int, draft_tokens: int, seconds: float) -> None:
+        relative = float(np.array([1.0, num_reqs, draft_tokens]) @ np.array(PRIOR_TARGET))
+        self.scale = max(seconds, 1e-9) / relative
+        pt, pr = self._prior_target(), self._prior_round()
+        self.target.set_prior([(x, float(x @ pt)) for x in (
+            np.array([1.0, 1, 0]), np.array([1.0, 8, 0]), np.array([1.0, 1, 4]),
+            np.array([1.0, 8, 32]))])
+        self.round.set_prior([(x, float(x @ pr)) for x in (
+            np.array([1.0, 0, 0]), np.array([1.0, 4, 4]), np.array([1.0, 4, 32]))])
+
+    def round_begins(self, num_reqs: int, draft_tokens: int | None) -> None:
+        """A round starts: the interval since the last round ended was the target side of
+        a step with ``num_reqs`` requests verifying ``draft_tokens`` drafts (None: the
+        step had prefill tokens, or the count is unknown: not used)."""
+        now = self.clock()
+        last, self._round_end = self._round_end, None
+        self._round_start = now
+        if last is None or draft_tokens is None:
+            self.skipped += last is not None
+            return
+        seconds = now - last
+        if self.scale is None:
+            self._set_scale(num_reqs, draft_tokens, seconds)
+        x = np.array([1.0, num_reqs, draft_tokens])
+        if self.target.count >= MIN_OBSERVATIONS_FOR_OUTLIERS and seconds > (
+                OUTLIER_FACTOR * self.target.predict(x, self._prior_target())):
+            self.skipped += 1
+            return
+        self.target.observe(x, seconds)
+
+    def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
+        now = self.clock()
+        if self._round_start is not None and self.scale is not None:
+            self.round.observe(np.array([float(drafted), passes, rows]),
+                               now - self._round_start)
+        self._round_start = None
+        self._round_end = now
+
+    def step_costs(self) -> StepCosts:
+        t = self.target.theta(self._prior_target())
+        r = self.round.theta(self._prior_round())
+        return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
+                         target_per_token=float(t[2]), draft_pass=float(r[1]),
+                         draft_row=float(r[2]), draft_round=float(r[0]))
+
+    def describe(self) -> dict[str, Any]:
+        c = self.step_costs()
+        return {
+            "source": "measured online" if self.target.count else "prior",
+            "target_steps_measured": self.target.count,
+            "rounds_measured": self.round.count,
+            "intervals_skipped": self.skipped,
+            "target_ms": {"base": 1e3 * c.target_base, "per_request": 1e3 * c.target_per_request,
+                          "per_draft_token": 1e3 * c.target_per_token},
+            "round_ms": {"any_draft": 1e3 * c.draft_round, "per_pass": 1e3 * c.draft_pass,
+                         "per_row": 1e3 * c.draft_row},
+        }
+
+
+@dataclass
+class RoundPlan:
+    rule: DraftStopRule
+    caps: torch.Tensor  # [R] int64, host: the most each request may draft (0: nothing)
+    rate: float  # the plan's expected tokens per second (per unit of the cost model)
+
+
+@dataclass
+class CostControlStats:
+    steps: int = 0
+    all_zero_steps: int = 0
+    partial_zero_steps: int = 0
+    planned_tokens: int = 0
+    probes: int = 0
+
+
+class CostControl:
+    """Per-step draft lengths for one chain drafter (see the module doc)."""
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self.costs = MeasuredCosts()
+        self.history = AcceptanceHistory(k_max)
+        # A fixed model (tests, or a user who measured theirs): used instead of the
+        # measured one; measuring goes on.
+        self.fixed_costs: StepCosts | None = None
+        self.stats = CostControlStats()
+        self._drafted: dict[str, int] = {}  # request id -> tokens drafted last round
+
+    def step_costs(self) -> StepCosts:
+        return self.fixed_costs if self.fixed_costs is not None else self.costs.step_costs()
+
+    def begin(self, req_ids: Sequence[str] | None, num_rejected: torch.Tensor | None,
+              target_tokens: int | None) -> None:
+        """At the start of a round: time the step that just ran and learn each request's
+        acceptance from the drafts it verified (``num_rejected``: per row)."""
+        num_reqs = len(req_ids) if req_ids is not None else 0
+        draft_tokens = None
+        if target_tokens is not None and target_tokens >= num_reqs > 0:
+            extra = target_tokens - num_reqs
+            if extra <= num_reqs * self.k_max:  # decode (+ verification) only
+                draft_tokens = extra
+        self.costs.round_begins(num_reqs, draft_tokens)
+        if req_ids is None or num_rejected is None:
+            return
+        rejected = num_rejected.to("cpu").tolist()[:num_reqs]
+        for rid, rej in zip(req_ids, rejected):
+            drafted = self._drafted.get(rid, 0)
+            if drafted > 0:
+                self.history.observe(rid, drafted, drafted - int(rej))
+        if len(self._drafted) > 4 * max(num_reqs, 64):
+            self._drafted = {r: self._drafted[r] for r in req_ids if r in self._drafted}
+            self.history.forget_except(req_ids)
+
+    def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
+             device: torch.device) -> RoundPlan:
+        """This round's lengths and its stop rule (the cost stop over ``inner``)."""
+        k = min(k_max, self.k_max)
+        rates = self.history.rates(req_ids)[:, :k]
+        costs = self.step_costs()
+        choice = choose_draft_lengths(expected_gains(rates), costs)
+        caps = self.history.probes(req_ids, choice.lengths)
+        self.stats.steps += 1
+        self.stats.probes += int((caps > choice.lengths).sum())
+        self.stats.planned_tokens += int(caps.sum())
+        if not caps.any():
+            self.stats.all_zero_steps += 1
+        elif not caps.all():
+            self.stats.partial_zero_steps += 1
+        threshold = choice.rate * (costs.target_per_token + costs.draft_row)
+        if isinstance(inner, HeadStop):
+            signal, head = "head", inner.head
+        elif isinstance(inner, ConfidenceStop):
+            signal, head = inner.signal, None
+        else:
+            signal, head = "history", None
+        caps_t = torch.as_tensor(caps, dtype=torch.int64)
+        rule = CostStop(inner, caps_t.to(device),
+                        torch.as_tensor(rates, dtype=torch.float32, device=device),
+                        threshold, signal=signal, head=head)
+        return RoundPlan(rule, caps_t, choice.rate)
+
+    def end(self, req_ids: Sequence[str] | None, lengths: Sequence[int], passes: int,
+            rows: int) -> None:
+        if req_ids is not None:
+            for rid, n in zip(req_ids, lengths):
+                self._drafted[rid] = int(n)
+        self.costs.round_ends(any(n > 0 for n in lengths), passes, rows)
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "model": ("fixed " + str(self.fixed_costs)) if self.fixed_costs is not None
+            else self.costs.describe(),
+            "steps": s.steps, "all_zero_steps": s.all_zero_steps,
+            "partial_zero_steps": s.partial_zero_steps, "probes": s.probes,
+            "pooled_acceptance": [round(float(a), 3) for a in self.history.pooled_rates()],
+        }
