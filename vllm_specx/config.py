@@ -28,6 +28,7 @@ from vllm_specx.methods import (
     CheckContext,
     MethodSpec,
     knob_owners,
+    tree_max_nodes,
 )
 
 if TYPE_CHECKING:  # validation needs the limits' values, not torch (backends import it)
@@ -225,7 +226,9 @@ def translate(
     if model is not None:
         vllm_config["model"] = model
     if num_tokens is not None:
-        vllm_config["num_speculative_tokens"] = num_tokens
+        # A draft tree is scheduled as its nodes: vLLM's K is the tree's node budget (the
+        # specx settings keep the drafter's own K, e.g. mtad's beam depth).
+        vllm_config["num_speculative_tokens"] = tree_max_nodes(settings) or num_tokens
     for key in sorted(PASSTHROUGH_VLLM_KEYS & config.keys()):
         vllm_config[key] = config[key]
     vllm_config.update(vllm_knobs)

@@ -55,6 +55,8 @@ class Knob:
             return isinstance(value, bool)
         if self.kind == "str":
             return isinstance(value, str) and value != ""
+        if self.kind == "tree":  # a draft tree: false, true or a dict of tree settings
+            return isinstance(value, (bool, Mapping))
         raise AssertionError(f"unknown knob kind {self.kind}")
 
 
@@ -190,7 +192,9 @@ class MethodSpec:
         if not self.runs_on_v2:
             return self.v1_reason
         for setting in self.v1_only_settings:
-            if settings.get(setting.knob) == setting.value:
+            value = settings.get(setting.knob)
+            # ``True`` stands for "on": a tree knob is on as a dict too.
+            if value == setting.value or (setting.value is True and value not in (None, False)):
                 return f"{setting.knob} = {str(setting.value).lower()}: {setting.why}"
         return None
 
@@ -264,12 +268,6 @@ DRAFT_SAMPLING = Knob(
     "sampling), or its argmax (one-hot q); greedy requests always draft the argmax",
     lambda v: v in ("sampled", "greedy"),
 )
-COST_CONTROL = Knob(
-    "cost_control", "bool", True, "true or false",
-    "choose every step's draft lengths from the engine's own measured step costs and each "
-    "request's acceptance so far (0 where drafting would not pay); false: the stop rule "
-    "alone decides",
-)
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
     "vLLM's setting for a draft with another tokenizer: drafts stay inside the shared "
@@ -299,6 +297,74 @@ EAGLE_CONFIDENCE_THRESHOLD = replace(
     help="training-free policy: stop when the EAGLE head's own probability of its draft "
     "falls under this",
 )
+
+
+# Draft trees (issue 37). mtad's tree is its B beams of depth K, verified in one target
+# pass; vLLM's num_speculative_tokens is then the tree's node budget (the scheduler sees
+# every node as a draft), while the specx setting keeps the beam depth K.
+MAX_TREE_NODES = 64  # as vllm_specx.algorithms.draft_tree.MAX_TREE_NODES (no torch here)
+MTAD_DRAFT_TREE = Knob(
+    "draft_tree", "tree", False, 'false, true or {"max_nodes": N} (N from 1 to 64)',
+    "verify all num_beams beams at once as one draft tree (one target pass, ancestor-only "
+    "attention; V1 runner on CPU) instead of the single best beam; true keeps every beam "
+    "(up to num_beams * K nodes), {\"max_nodes\": N} the N nodes of highest joint draft "
+    "probability",
+)
+TREE_NEEDS_CPU_V1 = V1OnlySetting(
+    "draft_tree", True,
+    "one target pass over the tree needs the ancestor-only mask of vllm-specx's CPU "
+    "attention, hooked into the V1 runner (Model Runner V2, CUDA and Ascend: next issue)",
+)
+
+
+def tree_on(settings: Mapping[str, Any]) -> bool:
+    """Whether the settings turn draft trees on."""
+    return settings.get("draft_tree") not in (None, False)
+
+
+def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
+    """The most tree nodes a request drafts per round (None: no tree): what vLLM's
+    ``num_speculative_tokens`` becomes, so the scheduler, the KV-slot allocation and the
+    spec-decode counters take a whole tree."""
+    tree = settings.get("draft_tree")
+    if tree in (None, False):
+        return None
+    k, beams = int(settings["num_speculative_tokens"]), int(settings.get("num_beams", 1))
+    if isinstance(tree, Mapping) and "max_nodes" in tree:
+        return min(int(tree["max_nodes"]), beams * k)
+    return beams * k
+
+
+def _device_type(device: str) -> str:
+    # "cpu" (tests) or "<platform> (<backend>)" (config translation).
+    return device.rsplit("(", 1)[-1].rstrip(")").strip() if "(" in device else device
+
+
+def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
+    """``draft_tree`` on mtad: its shape (the beams decide depth and branching), the node
+    budget, and the device (CPU only for now)."""
+    tree = ctx.settings.get("draft_tree")
+    if tree in (None, False):
+        return None
+    shape = ('true, false or {"max_nodes": N}: mtad\'s tree is its beams (depth '
+             "num_speculative_tokens, branching num_beams)")
+    if isinstance(tree, Mapping):
+        if set(tree) - {"max_nodes"}:
+            return Refusal("draft_tree", dict(tree), shape)
+        n = tree.get("max_nodes")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TREE_NODES:
+            return Refusal("draft_tree", dict(tree),
+                           f'"max_nodes" must be an integer from 1 to {MAX_TREE_NODES}')
+    elif (nodes := tree_max_nodes(ctx.settings) or 0) > MAX_TREE_NODES:
+        return Refusal("draft_tree", tree,
+                       f"num_beams * num_speculative_tokens = {nodes} tree nodes exceed "
+                       f"{MAX_TREE_NODES}; give {{\"max_nodes\": N}} with N <= {MAX_TREE_NODES}")
+    if _device_type(ctx.device) != "cpu":
+        return Refusal("draft_tree", tree if isinstance(tree, bool) else dict(tree),
+                       f"not on {ctx.device} yet: tree verification runs on vLLM's V1 model "
+                       "runner on CPU only (the ancestor mask is in vllm-specx's CPU "
+                       "attention; Model Runner V2, CUDA and Ascend are the next issue)")
+    return None
 
 
 # -- cross-knob checks ------------------------------------------------------------------
@@ -389,7 +455,7 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
             EAGLE_ADAPTIVE,
             *(_requires_adaptive(k) for k in (
                 MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
-                EAGLE_CONFIDENCE_THRESHOLD, COST_CONTROL,
+                EAGLE_CONFIDENCE_THRESHOLD,
             )),
         ),
         checks=(min_tokens_within_k, acceptance_head_fits_draft),
@@ -420,12 +486,14 @@ METHODS: dict[str, MethodSpec] = {
             lossless=False,
             needs_draft_model=True,
             default_num_speculative_tokens=4,
-            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, GREEDY_DRAFTING, HETEROGENEOUS_VOCAB),
-            checks=(beam_positions_fit_device,),
+            knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, GREEDY_DRAFTING, HETEROGENEOUS_VOCAB,
+                   MTAD_DRAFT_TREE),
+            checks=(beam_positions_fit_device, mtad_tree_fits),
             rule="mtad",
             proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:MTADV2Speculator"),
             runs_on_v2=True,
+            v1_only_settings=(TREE_NEEDS_CPU_V1,),
             available=True,
             beam_width_knob="num_beams",
         ),
@@ -438,7 +506,7 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=8,
             knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
-                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING, COST_CONTROL),
+                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
             proposer=named("vllm_specx.glue.adaptive_proposer:AdaptiveProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:AdaptiveV2Speculator"),
@@ -458,7 +526,7 @@ METHODS: dict[str, MethodSpec] = {
                 MTP_ADAPTIVE,
                 *(_requires_adaptive(k) for k in (
                     MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
-                    MTP_CONFIDENCE_THRESHOLD, COST_CONTROL,
+                    MTP_CONFIDENCE_THRESHOLD,
                 )),
             ),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),

@@ -78,8 +78,10 @@ def beam_scratch_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
     if method is None or method.beam_width_knob is None:
         return 0
     spec_config = getattr(vllm_config, "speculative_config", None)
-    k = (getattr(spec_config, "num_speculative_tokens", None)
-         or settings.get("num_speculative_tokens"))
+    # The beams' depth: the specx setting (with draft_tree vLLM's K is the tree's node
+    # budget, not the depth); vLLM's own K where the settings carry none.
+    k = (settings.get("num_speculative_tokens")
+         or getattr(spec_config, "num_speculative_tokens", None))
     block_size = uniform_block_size(kv_cache_config)
     if not k or block_size is None:
         return 0

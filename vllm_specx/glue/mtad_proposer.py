@@ -115,6 +115,7 @@ class MTADDraftStats:
     full_recompute_tail_tokens: int = 0
     request_passes: int = 0
     sequential_rounds: int = 0  # rounds run one beam per pass (no scratch region)
+    tree_nodes: int = 0  # draft_tree: nodes of the drafted trees (drafted_tokens: K each)
 
     def record(
         self,
@@ -156,6 +157,7 @@ class MTADDraftStats:
             "tail_forward_passes": self.tail_forward_passes,
             "full_recompute_tail_tokens": self.full_recompute_tail_tokens,
             "sequential_rounds": self.sequential_rounds,
+            "tree_nodes": self.tree_nodes,
         }
 
 
@@ -180,6 +182,10 @@ class MTADRound:
     max_num_tokens: int
     use_heterogeneous_vocab: bool
     _last_draft_probs: torch.Tensor | None
+
+    # Draft trees: the runner's TreeState (glue/tree_step.py), set by the runner hook
+    # when ``draft_tree`` is on; None drafts the single best beam.
+    tree_state: Any = None
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)  # type: ignore[call-arg]
@@ -231,6 +237,9 @@ class MTADRound:
         self, start: RoundStart, sampling_metadata: SamplingMetadata
     ) -> torch.Tensor:
         k, num_reqs = start.k, start.num_reqs
+        if self.tree_state is not None:
+            # vLLM's K is the tree's node budget; the beams' depth is the specx K.
+            k = min(k, int(self.settings["num_speculative_tokens"]))
         cad, sample_positions = start.cad, start.sample_positions
         base_seq_lens = start.base_seq_lens
         logits = self.model.compute_logits(start.out)
@@ -279,9 +288,11 @@ class MTADRound:
         row_width = None
         if self.greedy_chain and b > 1 and bool(greedy.any()):
             row_width = torch.where(greedy, 1, b).to(logits.device)
-        draft_tokens, q, _ = beam_search_batched(
+        draft_tokens, q, final = beam_search_batched(
             warp(logits), k, b, forward, greedy, generators, row_width=row_width
         )
+        if self.tree_state is not None:
+            return self._tree_round(start, final, mapping, forward, b, k)
         if mapping is not None:
             draft_tokens = mapping.map_draft_to_target_ids(draft_tokens)
         self._last_draft_probs = q.to(torch.float32).contiguous()
@@ -291,6 +302,55 @@ class MTADRound:
             sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
         )
         return draft_tokens
+
+    def _tree_round(self, start: RoundStart, final: BeamSearchState, mapping: Any,
+                    forward: Any, b: int, k: int) -> list[list[int]]:
+        """Draft trees (``draft_tree``): every live beam of the final search state is one
+        root-to-leaf path of the request's tree (shared prefixes merged, the best
+        ``max_nodes`` nodes by joint draft probability kept, BFS order); the runner
+        verifies all of them in one target pass (glue/tree_step.py). Returns each
+        request's BFS tokens (ragged) and leaves each node's q for the sampler."""
+        from vllm_specx.algorithms.draft_tree import tree_from_beams
+        from vllm_specx.methods import tree_max_nodes
+
+        num_reqs = start.num_reqs
+        live = torch.isfinite(final.scores)  # [R, B]
+        logq = final.token_logprobs.masked_fill(~live.unsqueeze(2), float("-inf"))
+        cum = torch.cumsum(logq, dim=2)
+        cols = torch.arange(final.width, device=final.tokens.device).expand(num_reqs, -1)
+        tree = tree_from_beams(
+            [final.tokens[:, :, d] for d in range(k)], [cols] * k,
+            [cum[:, :, d] for d in range(k)],
+            max_nodes=int(tree_max_nodes(self.settings) or b * k),
+            token_logprobs=[logq[:, :, d] for d in range(k)],
+        )
+        tokens = tree.token_ids
+        if mapping is not None:
+            tokens = torch.where(tokens >= 0, mapping.map_draft_to_target_ids(
+                tokens.clamp(min=0)), tokens)
+        width = int(self.num_speculative_tokens)
+        q = torch.zeros(num_reqs, width, dtype=torch.float32, device=tokens.device)
+        n_nodes = tree.num_nodes.tolist()
+        out: list[list[int]] = []
+        tok_rows, par_rows = [], []
+        assert tree.token_logprobs is not None
+        for r in range(num_reqs):
+            n = int(n_nodes[r])
+            q[r, :n] = tree.token_logprobs[r, :n].exp()
+            tok_rows.append(tokens[r, :n])
+            par_rows.append(tree.parents[r, :n])
+            out.append(tokens[r, :n].tolist())
+        self._last_draft_probs = q
+        runner = self.model_runner
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        self.tree_state.record_round(req_ids, tok_rows, par_rows, live_req_ids=runner.requests)
+        self.stats.record(
+            num_reqs, k, b, start.first_tokens, forward.tokens, forward.passes,
+            request_passes=num_reqs + forward.request_passes,
+            sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
+        )
+        self.stats.tree_nodes += int(sum(n_nodes))
+        return out
 
     def _beam_slots(self) -> BeamKVSlots | None:
         """The beams' KV slots (built once the KV cache exists), or None without a

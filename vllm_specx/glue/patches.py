@@ -23,8 +23,9 @@ from vllm_specx.envflags import env_flag
 from vllm_specx.glue.beam_kv import BeamScratchReservation
 from vllm_specx.glue.parallelism import parallelism_refusal
 from vllm_specx.glue.patch_base import VllmPatch
+from vllm_specx.glue.tree_step import TREE_STEP_PATCHES
 from vllm_specx.glue.v2_patches import V2_PATCHES
-from vllm_specx.methods import METHODS
+from vllm_specx.methods import METHODS, tree_on
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
@@ -232,13 +233,14 @@ class SpeculativeConfigTranslation(VllmPatch):
                                           target_model_config, target_parallel_config)
             if refusal is not None:  # README "Scaling out": what runs under TP/DP/PP
                 raise refusal
-            if METHODS[method].ragged_drafts:
+            if METHODS[method].ragged_drafts or tree_on(result.specx_settings):
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.
                 if self_.async_scheduling:
                     raise SpecxConfigError(
                         f"async_scheduling = true is not allowed with speculative method "
-                        f"'{method}': it drafts a different number of tokens per request, "
+                        f"'{method}'{' with draft_tree' if tree_on(result.specx_settings) else ''}"
+                        ": it drafts a different number of tokens per request, "
                         "which the scheduler must see; leave async_scheduling unset or false."
                     )
                 self_.async_scheduling = False
@@ -340,6 +342,7 @@ ALL_PATCHES: tuple[VllmPatch, ...] = (
     SpecxOnV1Runner(),
     RunnerSpecxComponents(),
     BeamScratchReservation(),
+    *TREE_STEP_PATCHES,  # draft trees on the V1 runner (glue/tree_step.py)
     *V2_PATCHES,  # Model Runner V2 (glue/v2_patches.py)
 )
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_specx.config import SpecxConfigError
 from vllm_specx.glue.proposer_contract import SpecxProposer
-from vllm_specx.methods import METHODS
+from vllm_specx.methods import METHODS, tree_on
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
@@ -51,6 +51,31 @@ def install_specx_components(runner: Any, settings: dict[str, Any]) -> None:
     runner.rejection_sampler = SpecxRejectionSampler(
         runner.sampler, runner.speculative_config, runner.device, settings, backend
     )
+    if tree_on(settings):
+        _install_tree_state(runner, settings)
     logger.info("vllm-specx: %s drafter %s, sampler rule %r on the %s backend (%s)",
                 method, type(runner.drafter).__name__, runner.rejection_sampler.rule,
                 backend.name, backend.kernel_impl)
+
+
+def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
+    """Draft trees (glue/tree_step.py): one shared state for the drafter, the sampler and
+    the runner's tree-step patches. Config validation refused every non-CPU device; this
+    refuses a CPU engine whose attention is not vllm-specx's (vLLM's compiled CPU build
+    takes no ancestor mask, so a tree would be attended causally: wrong outputs)."""
+    from vllm_specx.cpu_ops import registered_release
+    from vllm_specx.glue.tree_step import TreeState
+
+    device = getattr(runner.device, "type", str(runner.device))
+    if device != "cpu" or registered_release() is None:
+        where = ("vLLM's compiled CPU attention (no ancestor mask)" if device == "cpu"
+                 else f"the {device} device")
+        raise SpecxConfigError(
+            f'speculative_config["draft_tree"] = {settings.get("draft_tree")!r} is not '
+            f"allowed for method '{settings['method']}' on {where}: tree verification runs "
+            "on vLLM's V1 model runner on CPU with vllm-specx's CPU attention only."
+        )
+    state = TreeState()
+    runner.specx_tree_state = state
+    runner.drafter.tree_state = state
+    runner.rejection_sampler.tree_state = state

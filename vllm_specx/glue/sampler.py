@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.rejection_sampler import (
@@ -74,6 +75,7 @@ class SpecxRejectionSampler(RejectionSampler):
         target_logits = self.apply_constraints(target_logits, metadata, sampling_metadata)
         output_token_ids = self._verify(metadata, draft_probs, target_logits,
                                         bonus_token_ids, sampling_metadata)
+        self._verify_trees(metadata, draft_probs, logits, output_token_ids, sampling_metadata)
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -84,6 +86,86 @@ class SpecxRejectionSampler(RejectionSampler):
             )
         return SamplerOutput(sampled_token_ids=output_token_ids,
                              logprobs_tensors=logprobs_tensors)
+
+    # Draft trees (glue/tree_step.py): the runner's TreeState when a tree config is on.
+    tree_state: Any = None
+
+    def _verify_trees(self, metadata: Any, draft_probs: torch.Tensor | None,
+                      logits: torch.Tensor, output_token_ids: torch.Tensor,
+                      sampling_metadata: Any) -> None:
+        """Re-verify the step's tree requests with the tree rule, in place.
+
+        The chain rule above ran over every request (a tree request's BFS nodes read as
+        a chain: its verdict is discarded here). A tree request's ``n + 1`` logits rows
+        (vLLM's ``[target rows..., bonus row]``) are exactly the target's distributions
+        after the root and after each node's path, which
+        :func:`~vllm_specx.algorithms.draft_tree.verify_tree` takes as ``node_probs``; its
+        output (accepted path + one token, -1 padded) replaces the request's row, and
+        the accepted nodes are left in the step for the KV compaction.
+        """
+        state = self.tree_state
+        step = state.step if state is not None else None
+        if step is None:
+            return
+        from vllm_specx.algorithms.draft_tree import TreeBatch, verify_tree
+
+        num_draft = [int(n) for n in metadata.num_draft_tokens]
+        device = logits.device
+        # Rows of request r in `logits` (and of its q in the 1-D draft_probs).
+        row_start = np.concatenate([[0], np.cumsum([n + 1 for n in num_draft])])
+        q_start = np.concatenate([[0], np.cumsum(num_draft)])
+        trees = step.trees
+        rows = torch.cat([torch.arange(int(row_start[t.row]), int(row_start[t.row + 1]))
+                          for t in trees]).to(device)
+        # Warped as vLLM warps the chain's rows (temperature, top-k, top-p), over the
+        # whole step's layout so each row meets its own request's settings.
+        cu_rows = torch.tensor(row_start[1:], dtype=torch.int64, device=device)
+        warped = apply_sampling_constraints(logits.to(torch.float32).clone(), cu_rows,
+                                            sampling_metadata)
+        node_logits = warped[rows]
+        node_probs = node_logits.softmax(dim=-1, dtype=torch.float32)
+        target_argmax = logits[rows].to(torch.float32).argmax(dim=-1)
+        tree_rows = torch.tensor([t.row for t in trees], device=device)
+        if sampling_metadata.all_greedy:
+            is_greedy = torch.ones(len(trees), dtype=torch.bool, device=device)
+        else:
+            is_greedy = (sampling_metadata.temperature == GREEDY_TEMPERATURE)[tree_rows]
+        exp_noise = torch.empty(len(trees), node_probs.shape[1], dtype=torch.float32,
+                                device=device).exponential_()
+        for i, tree in enumerate(trees):
+            generator = sampling_metadata.generators.get(tree.row)
+            if generator is not None:
+                exp_noise[i].exponential_(generator=generator)
+        q = None
+        if draft_probs is not None and draft_probs.ndim == 1:
+            q = torch.cat([draft_probs[int(q_start[t.row]): int(q_start[t.row + 1])]
+                           for t in trees]).to(torch.float32)
+        elif self.rule == "mtad":
+            q = torch.ones(int(sum(num_draft[t.row] for t in trees)), device=device)
+        batch = TreeBatch(
+            token_ids=torch.cat([t.tokens for t in trees]).to(device),
+            parents=torch.cat([t.parents for t in trees]).to(device),
+            cu_num_nodes=torch.tensor(np.cumsum([t.parents.shape[0] for t in trees]),
+                                      dtype=torch.int64, device=device),
+        )
+        if self.rule != "mtad":
+            raise NotImplementedError(
+                f"vllm-specx: tree verification with the {self.rule!r} rule is not wired yet")
+        verdict = verify_tree(
+            batch, node_probs, rule="mtad", is_greedy=is_greedy, exp_noise=exp_noise,
+            # MTAD's test is deterministic given p and q: no uniform per node is read.
+            uniforms=torch.zeros(batch.num_nodes, device=device),
+            target_argmax=target_argmax, draft_token_probs=q,
+            acceptance_threshold=self.acceptance_threshold,
+            all_greedy=bool(sampling_metadata.all_greedy),
+        )
+        accepted = verdict.num_accepted.tolist()
+        for i, tree in enumerate(trees):
+            a = int(accepted[i])
+            output_token_ids[tree.row] = -1
+            output_token_ids[tree.row, : a + 1] = verdict.output_token_ids[i, : a + 1].to(
+                output_token_ids.dtype)
+            step.accepted[tree.row] = verdict.accepted_nodes[i, :a].tolist()
 
     def apply_constraints(self, target_logits: torch.Tensor, metadata: Any,
                           sampling_metadata: Any) -> torch.Tensor:

@@ -23,6 +23,9 @@ Patches (name -- scope -- what in vLLM changes):
 * specx_selects_v1_runner -- always -- ``VllmConfig._get_v2_model_runner_unsupported_features``
 * runner_specx_components -- always -- ``GPUModelRunner.__init__`` (when vLLM imports it)
 * mtad_beam_scratch_reservation -- always -- ``Scheduler.__init__`` (when vLLM imports it)
+* tree_step_inputs -- always -- ``GPUModelRunner._prepare_inputs`` (when vLLM imports it)
+* tree_step_masks -- always -- ``GPUModelRunner._model_forward`` (when vLLM imports it)
+* tree_step_compaction -- always -- ``GPUModelRunner._sample`` (when vLLM imports it)
 * v2_specx_speculator -- always -- Model Runner V2's ``GPUModelRunner.__init__`` (when vLLM
   imports it)
 * v2_ragged_draft_lengths -- always -- Model Runner V2's

@@ -1,0 +1,66 @@
+"""mtad's ``draft_tree`` knob (issue 37): translated so vLLM schedules a whole tree, and
+refused before start in one line for a bad value, a device or a runner it cannot run on."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_specx.backends import backend_for_device
+from vllm_specx.config import SpecxConfigError, translate
+from vllm_specx.glue.patches import vllm_method_names, vllm_speculative_fields
+from vllm_specx.methods import METHODS, tree_max_nodes
+
+BASE = {"method": "mtad", "model": "draft", "num_speculative_tokens": 3, "num_beams": 4}
+
+
+def run(config: dict, device: str = "cpu"):
+    return translate(config, vllm_methods=vllm_method_names(),
+                     vllm_fields=vllm_speculative_fields(),
+                     limits=backend_for_device(device).limits, device=device,
+                     check_available=False)
+
+
+@pytest.mark.parametrize("tree, nodes", [(True, 12), ({"max_nodes": 5}, 5),
+                                         ({"max_nodes": 40}, 12)])
+def test_vllm_schedules_the_tree_the_drafter_keeps_its_depth(tree, nodes):
+    result = run({**BASE, "draft_tree": tree})
+    assert result.vllm_speculative_config["num_speculative_tokens"] == nodes
+    assert result.specx_settings["num_speculative_tokens"] == 3  # the beams' depth
+    assert result.specx_settings["draft_tree"] == tree
+    assert tree_max_nodes(result.specx_settings) == nodes
+    # The tree step is hooked into the V1 runner only: vLLM is told so.
+    assert "draft_tree" in METHODS["mtad"].v1_only_reason(result.specx_settings)
+
+
+def test_off_by_default_and_chain_k_unchanged():
+    result = run(dict(BASE))
+    assert result.specx_settings["draft_tree"] is False
+    assert result.vllm_speculative_config["num_speculative_tokens"] == 3
+    assert METHODS["mtad"].v1_only_reason(result.specx_settings) is None
+
+
+@pytest.mark.parametrize("config, device, fragments", [
+    ({"draft_tree": "yes"}, "cpu", ['"draft_tree"] = "yes"', 'false, true or {"max_nodes"']),
+    ({"draft_tree": 1}, "cpu", ['"draft_tree"] = 1']),
+    ({"draft_tree": {"max_depth": 3}}, "cpu", ["mtad's tree is its beams"]),
+    ({"draft_tree": {"paths": [[0]]}}, "cpu", ["mtad's tree is its beams"]),
+    ({"draft_tree": {"max_nodes": 0}}, "cpu", ['"max_nodes" must be an integer from 1 to 64']),
+    ({"draft_tree": {"max_nodes": True}}, "cpu", ['"max_nodes" must be an integer']),
+    ({"draft_tree": True, "num_beams": 8, "num_speculative_tokens": 9}, "cpu",
+     ["72 tree nodes exceed 64"]),
+    ({"draft_tree": True}, "cuda", ["not on cuda yet", "V1 model runner on CPU only"]),
+    ({"draft_tree": {"max_nodes": 8}}, "npu", ["not on npu yet"]),
+])
+def test_bad_tree_configs_are_refused_in_one_line(config, device, fragments):
+    with pytest.raises(SpecxConfigError) as info:
+        run({**BASE, **config}, device=device)
+    message = str(info.value)
+    assert "\n" not in message and 'speculative_config["draft_tree"]' in message
+    assert "for method 'mtad'" in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_tree_knob_belongs_to_mtad():
+    with pytest.raises(SpecxConfigError, match="belongs to specx method 'mtad'"):
+        run({"method": "adaptive", "model": "draft", "draft_tree": True})

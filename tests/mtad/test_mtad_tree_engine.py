@@ -1,0 +1,171 @@
+"""MTAD's beams verified as ONE draft tree in one target pass (issue 37), in the real vLLM
+CPU engine: ``{"method": "mtad", ..., "draft_tree": true}``.
+
+The draft here is the target itself, so the target accepts deep paths every step; with
+B = 3 beams the accepted path runs through nodes that are not the first of their depth
+in BFS order, so every step needs the tree positions, the ancestor-only mask and the KV
+compaction: greedy output equal to no speculation breaks if any of the three is wrong
+(checked by hand: each one disabled on its own makes these tests fail).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from engine_support import make_tiny_pair
+from mtad_reference import greedy_generate
+
+pytestmark = pytest.mark.engine
+
+K, B = 3, 3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = make_tiny_pair(tmp_path_factory.mktemp("mtad_tree_models"))
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return target_dir, target
+
+
+class TreeEngine:
+    """An in-process engine with MTAD tree drafting, its runner and preemption count."""
+
+    def __init__(self, target_dir: str) -> None:
+        from vllm_specx.engine import make_llm
+
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise RuntimeError("engine tests need VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        self.llm = make_llm(
+            target_dir,
+            speculative_config={
+                "method": "mtad", "model": target_dir, "num_speculative_tokens": K,
+                "num_beams": B, "acceptance_threshold": 0.1, "greedy_drafting": "beam",
+                "draft_tree": True,
+            },
+            skip_tokenizer_init=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,  # the 70-token prompt is prefilled in chunks
+            block_size=32,
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=9,  # small: requests get preempted
+        )
+        self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.state = self.runner.specx_tree_state
+        sched = self.llm.llm_engine.engine_core.engine_core.scheduler
+        self.preemptions = 0
+        original = sched._preempt_request
+
+        def preempt(*args: Any, **kwargs: Any) -> Any:
+            self.preemptions += 1
+            return original(*args, **kwargs)
+
+        sched._preempt_request = preempt
+
+    def generate(self, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        return sorted(outs, key=lambda o: int(o.request_id))
+
+    def close(self) -> None:
+        from vllm_specx.engine import shutdown_llm
+
+        shutdown_llm(self.llm)
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    eng = TreeEngine(pair[0])
+    yield eng
+    eng.close()
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_tree_config_reaches_the_engine(engine):
+    """vLLM schedules a whole tree (its K is B * K nodes); the drafter drafts depth K."""
+    assert engine.runner.speculative_config.num_speculative_tokens == B * K
+    assert engine.runner.drafter.settings["num_speculative_tokens"] == K
+    assert engine.runner.rejection_sampler.tree_state is engine.state
+
+
+def test_greedy_tree_equals_no_speculation(pair, engine):
+    """Mixed lengths (a chunked 70-token prefill while others decode), requests ending
+    inside a tree (max_tokens 2, 9): every token equals plain greedy decoding."""
+    from vllm import SamplingParams
+
+    _, target = pair
+    before = dict(vars(engine.state.stats))
+    prompts = prompts_of([5, 11, 70, 23], seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (12, 2, 9, 14)]
+    for out, prompt, sp in zip(engine.generate(prompts, params), prompts, params):
+        assert list(out.outputs[0].token_ids) == greedy_generate(target, prompt,
+                                                                 sp.max_tokens), out.request_id
+    stats = {k: v - before[k] for k, v in vars(engine.state.stats).items()}
+    assert stats["tree_requests"] > 0
+    assert stats["compacted"] > 0  # accepted paths off the first BFS nodes were moved
+    assert stats["accepted"] > stats["tree_requests"]  # more than one node per tree step
+
+
+def test_prefix_caching_and_preemption(pair, engine):
+    """Shared prefixes, twice (the second pass hits the prefix cache, whose blocks hold
+    compacted tree KV), on a KV cache so small that requests are preempted and
+    recomputed: still plain greedy decoding."""
+    from vllm import SamplingParams
+
+    _, target = pair
+    shared = prompts_of([40], seed=21)[0]
+    prompts = [shared + tail for tail in prompts_of([3, 9, 5, 12], seed=22)]
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    preempted = engine.preemptions
+    cached = []
+    for _ in range(2):
+        outs = engine.generate(prompts, [params] * len(prompts))
+        cached.append(sum(o.num_cached_tokens or 0 for o in outs))
+        for out, prompt in zip(outs, prompts):
+            assert list(out.outputs[0].token_ids) == greedy_generate(target, prompt, 30)
+    assert engine.preemptions > preempted
+    assert cached[1] > 0
+
+
+def test_mixed_batch_of_trees_and_chains(pair, engine):
+    """greedy_drafting "chain": greedy requests draft the argmax chain (verified as a
+    chain), sampled ones B beams (verified as a tree) in the same steps. Greedy rows equal
+    plain greedy decoding; seeded sampled rows are reproducible."""
+    from vllm import SamplingParams
+
+    _, target = pair
+    drafter = engine.runner.drafter
+    drafter.greedy_chain = True
+    try:
+        prompts = prompts_of([9, 30, 6, 14], seed=11)
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=12),
+            SamplingParams(temperature=0.8, top_k=8, max_tokens=12, seed=5),
+            SamplingParams(temperature=0.0, max_tokens=7),
+            SamplingParams(temperature=1.0, max_tokens=10, seed=6),
+        ]
+        before = engine.state.stats.tree_requests
+        first = engine.generate(prompts, params)
+        assert engine.state.stats.tree_requests > before  # the sampled rows were trees
+        for out, prompt, sp in zip(first, prompts, params):
+            if sp.temperature == 0.0:
+                assert list(out.outputs[0].token_ids) == greedy_generate(
+                    target, prompt, sp.max_tokens)
+            else:
+                assert len(out.outputs[0].token_ids) == sp.max_tokens
+        again = engine.generate(prompts, params)
+        assert [list(o.outputs[0].token_ids) for o in again] == [
+            list(o.outputs[0].token_ids) for o in first]
+    finally:
+        drafter.greedy_chain = False
