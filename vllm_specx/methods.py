@@ -268,6 +268,12 @@ DRAFT_SAMPLING = Knob(
     "sampling), or its argmax (one-hot q); greedy requests always draft the argmax",
     lambda v: v in ("sampled", "greedy"),
 )
+COST_CONTROL = Knob(
+    "cost_control", "bool", True, "true or false",
+    "choose every step's draft lengths from the engine's own measured step costs and each "
+    "request's acceptance so far (0 where drafting would not pay); false: the stop rule "
+    "alone decides",
+)
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
     "vLLM's setting for a draft with another tokenizer: drafts stay inside the shared "
@@ -455,7 +461,7 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
             EAGLE_ADAPTIVE,
             *(_requires_adaptive(k) for k in (
                 MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
-                EAGLE_CONFIDENCE_THRESHOLD,
+                EAGLE_CONFIDENCE_THRESHOLD, COST_CONTROL,
             )),
         ),
         checks=(min_tokens_within_k, acceptance_head_fits_draft),
@@ -506,7 +512,7 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=8,
             knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
-                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING),
+                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING, COST_CONTROL),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
             proposer=named("vllm_specx.glue.adaptive_proposer:AdaptiveProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:AdaptiveV2Speculator"),
@@ -526,7 +532,7 @@ METHODS: dict[str, MethodSpec] = {
                 MTP_ADAPTIVE,
                 *(_requires_adaptive(k) for k in (
                     MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
-                    MTP_CONFIDENCE_THRESHOLD,
+                    MTP_CONFIDENCE_THRESHOLD, COST_CONTROL,
                 )),
             ),
             checks=(min_tokens_within_k, acceptance_head_fits_draft),
