@@ -158,6 +158,12 @@ def test_acceptance_history_rates_and_probes():
     assert good[0] > 0.85 and bad[0] < 0.15
     # "bad" never tried positions 2-3: they stay at the pooled rate.
     assert bad[1] == pytest.approx(h.pooled_rates()[1])
+    # A position nobody reached takes the rate of the one before it, not the prior.
+    deep = AcceptanceHistory(4, prior=0.5, prior_weight=1.0, decay=1.0, pooled_decay=1.0)
+    for _ in range(20):
+        deep.observe("r", drafted=2, accepted=2)
+    rates = deep.pooled_rates()
+    assert rates[3] == pytest.approx(rates[1]) and rates[1] > 0.9
     assert new.tolist() == pytest.approx(h.pooled_rates().tolist())
     zero = np.zeros(2, dtype=np.int64)
     assert h.probes(["a", "b"], zero).tolist() == [0, 0]

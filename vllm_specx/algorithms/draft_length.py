@@ -209,10 +209,17 @@ class AcceptanceHistory:
         self.pooled_accepted = self.pooled_accepted * self.pooled_decay + passed
 
     def pooled_rates(self) -> np.ndarray:
-        """Pooled conditional acceptance per position, ``[K]`` (``prior`` with weight
-        ``prior_weight`` where nothing was seen)."""
+        """Pooled conditional acceptance per position, ``[K]``: position 1 shrunk toward
+        ``prior``, each later position toward the position before it (weight
+        ``prior_weight``), so a position no request has reached yet takes the rate of the
+        deepest one seen instead of a fixed guess that could keep it unexplored."""
         w = self.prior_weight
-        return (self.pooled_accepted + w * self.prior) / (self.pooled_tried + w)
+        out = np.empty(self.k_max)
+        anchor = self.prior
+        for i in range(self.k_max):
+            anchor = (self.pooled_accepted[i] + w * anchor) / (self.pooled_tried[i] + w)
+            out[i] = anchor
+        return out
 
     def rates(self, req_ids: Sequence[str]) -> np.ndarray:
         """``[R, K]`` conditional acceptance per position for each request."""
