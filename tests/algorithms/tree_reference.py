@@ -115,41 +115,61 @@ def reference_verify_tree(case: TreeCase) -> tuple[list[list[int]], list[list[in
                 cur = hit[0]
                 path.append(cur)
             extra = argmax[row(cur)]
-        elif case.rule in ("sampled", "deterministic"):
+        elif case.rule == "sampled":
             p_cur = probs[row(cur)].copy()
             while True:
                 moved = False
                 for c in children(cur):
                     x = xs[c]
-                    if case.rule == "sampled":
-                        q = q_rows[start + c]
-                        if not ok(x) or q[x] <= 0:
-                            accept = False
-                        else:
-                            accept = uniforms[start + c] < p_cur[x] / q[x]
-                            fragile |= abs(uniforms[start + c] * q[x] - p_cur[x]) <= 1e-6 * max(
-                                p_cur[x], uniforms[start + c] * q[x])
-                        residual = np.maximum(p_cur - q, 0.0)
+                    q = q_rows[start + c]
+                    u = uniforms[start + c]
+                    if not ok(x) or q[x] <= 0:
+                        accept = False
                     else:
-                        if not ok(x):
-                            accept = False
-                        else:
-                            accept = uniforms[start + c] < p_cur[x]
-                            fragile |= abs(uniforms[start + c] - p_cur[x]) <= 1e-6
-                        residual = p_cur.copy()
-                        if ok(x):
-                            residual[x] = 0.0
+                        accept = u < p_cur[x] / q[x]
+                        fragile |= abs(u * q[x] - p_cur[x]) <= 1e-6 * max(p_cur[x], u * q[x])
                     if accept:
                         cur = c
                         path.append(c)
                         p_cur = probs[row(c)].copy()
                         moved = True
                         break
-                    if residual.sum() > 0:
+                    residual = np.maximum(p_cur - q, 0.0)
+                    if residual.sum() > 0:  # else p' stays as it was
                         p_cur = residual / residual.sum()
                 if not moved:
                     break
             extra, race_fragile = race(p_cur, noise[b])
+            fragile |= race_fragile
+        elif case.rule == "deterministic":
+            # p' = p without the rejected tokens, normalised by 1 - their mass.
+            while True:
+                moved = False
+                p_row = probs[row(cur)]
+                rejected: set[int] = set()
+                mass = 1.0
+                for c in children(cur):
+                    x = xs[c]
+                    u = uniforms[start + c]
+                    p_x = p_row[x] if ok(x) and x not in rejected else 0.0
+                    accept = p_x > 0 and u * mass < p_x
+                    fragile |= p_x > 0 and abs(u * mass - p_x) <= 1e-6 * max(p_x, u * mass) + 1e-6
+                    if accept:
+                        cur = c
+                        path.append(c)
+                        moved = True
+                        break
+                    if ok(x) and x not in rejected:
+                        rejected.add(x)
+                        mass -= p_row[x]
+                if not moved:
+                    break
+            residual = probs[row(cur)].copy()
+            for x in rejected:
+                residual[x] = 0.0
+            if residual.sum() <= 0:
+                residual = probs[row(cur)]
+            extra, race_fragile = race(residual, noise[b])
             fragile |= race_fragile
         else:  # mtad
             s = [0.0] * n

@@ -51,19 +51,27 @@ A walk from the root: at the current node look at its children in node order.
   node index), the root when none passes, and draw the extra token from ``p`` at that
   node (no residual). Every beam of MTAD's search is a root-to-leaf path of one tree.
 
-In float32, as the chain sampler: the sampled test is ``u * q(x) * Z < r(x)`` where
-``r`` is the unnormalised ``p'`` and ``Z`` its normaliser (``Z = 1`` and ``r = p``
-before the first rejection at a node, so a chain is decided bit for bit as
-:func:`vllm_specx.algorithms.verify.verify` decides it); the deterministic test is
-``u * Z < r(x)``. The extra token is the exponential race ``argmax(r / noise)``.
+Evaluated in float32 with the chain sampler's operations, so a chain (every node's
+parent the previous node) is decided bit for bit as
+:func:`vllm_specx.algorithms.verify.verify` decides it. ``"sampled"``: siblings share one
+``q`` row (their parent's), and after ``j`` rejections at a node
+``p' = max(p - c q, 0) / M`` (``c = 0, M = 1`` at first; a rejection sets ``c <- c + M``,
+``M <- sum(max(p - c q, 0))``: the same ``p'`` as renormalising ``max(p' - q, 0)`` step by
+step); child ``x`` is accepted iff ``u * q(x) * M < max(p(x) - c q(x), 0)``.
+``"deterministic"``: ``p'(x) = p(x) / Z`` with ``Z = 1 - (mass of the distinct rejected
+tokens)`` (``p`` is taken as normalised, as the chain sampler takes it) and ``p(x)`` read
+as 0 for a rejected token; accepted iff ``p'(x) > 0`` and ``u * Z < p(x)``. The extra
+token is the exponential race ``argmax(r / noise)`` over the unnormalised residual ``r``.
 
 Edge cases, decided as ``verify.py`` decides them for chains
 -----------------------------------------------------------
 * A request with 0 nodes emits one token from its root row.
 * ``q(x) = 0`` (sampled rule; MTAD: ``q = 0`` makes ``S = -inf``) rejects the child, and
   so does a token outside ``[0, V)``; ``p(x) = 0`` is never accepted by a sampled rule.
-* A rejection whose residual has no mass (``p' == q``, reachable only through rounding)
-  leaves ``p'`` as it was: for one child that is the chain's "fall back to ``p``".
+* A rejection whose residual has no mass (reachable only through rounding: ``p' == q``,
+  or ``p`` all on rejected tokens) leaves ``p'`` as it was (``"sampled"``) or draws the
+  extra token from ``p`` (``"deterministic"``): for one child both are the chain's
+  "fall back to ``p``".
 * The extra token of a sampled request is ``argmax(dist * (1 / max(noise, tiny)))``
   over its ``[V]`` row of Exp(1) noise; greedy requests ignore the noise.
 
@@ -813,11 +821,16 @@ def _path_to(node: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     return path[:, :d_max]
 
 
+def _pick(matrix: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[B] float32 ``matrix[rows[b], cols[b]]``: one value per request, no [B, V] copy."""
+    return matrix[rows, cols].to(torch.float32)
+
+
 def _walk(
     layout: TreeLayout,
     token_ids: torch.Tensor,
-    node_probs: torch.Tensor | None,
-    rule: str,
+    node_probs: torch.Tensor,
+    rule: str | None,
     is_greedy: torch.Tensor,
     target_argmax: torch.Tensor,
     uniforms: torch.Tensor | None,
@@ -825,67 +838,127 @@ def _walk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The root-down walk of the greedy / sampled / deterministic rules.
 
-    Returns (final local node [B], -1 = root; the unnormalised ``p'`` at it [B, V], or
-    None when ``node_probs`` is None: greedy only).
+    Returns (final local node [B], -1 = root; the unnormalised ``p'`` there [B, V], the
+    extra token's distribution for sampled requests, or None when ``rule`` is None:
+    greedy only).
+
+    Per node only the children's own values are read (``p(x)``, ``q(x)``: one gather per
+    request), not whole rows. The residuals are kept in closed form:
+
+    * deterministic: ``p'`` is ``p`` without the distinct rejected tokens, so
+      ``p'(x) = p(x) / Z`` with ``Z = 1 - (their mass)`` and ``p(x)`` read as 0 for a
+      token already rejected; the rejected tokens are kept per request ([B, C]).
+    * sampled: siblings are drawn from one row ``q`` (the parent's; the first child's
+      ``draft_probs`` row is read), and after ``j`` rejections
+      ``p' = max(p - c q, 0) / M`` with ``c = 0, M = 1`` at first and, at a rejection,
+      ``c <- c + M``, ``M <- sum(max(p - c q, 0))``: the same ``p'`` as renormalising
+      ``max(p' - q, 0)`` step by step (where ``p > c q``,
+      ``max(p - c q, 0) / M - q = (p - (c + M) q) / M``), with one [B, V] reduction per
+      rejection that a later sibling may still need, and none for a chain.
     """
     b = layout.num.shape[0]
     dev = layout.num.device
+    vocab = node_probs.shape[1]
     cur = torch.full((b,), -1, dtype=torch.int64, device=dev)
-    active = torch.ones(b, dtype=torch.bool, device=dev)
     ids = token_ids.to(torch.int64)
     greedy = is_greedy.to(torch.bool)
     tgt = target_argmax.to(torch.int64)
-    r = z = None
-    if node_probs is not None:
-        vocab = node_probs.shape[1]
-        r = node_probs.index_select(0, layout.root_row).to(torch.float32)
-        z = torch.ones(b, dtype=torch.float32, device=dev)
-        u_all = uniforms.to(torch.float32).clamp(max=_BELOW_ONE) if uniforms is not None else None
-    if layout.num_nodes == 0:
-        return cur, r
-    for _ in range(layout.max_depth):
-        moved = torch.zeros(b, dtype=torch.bool, device=dev)
-        nxt = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        argmax_here = tgt.index_select(0, _node_rows(layout, cur))
-        for k in range(layout.max_children):
-            cand = (layout.parent == cur[:, None]) & (layout.rank == k) & layout.valid
-            has = cand.any(dim=1) & active & ~moved
-            child = cand.to(torch.int32).argmax(dim=1).to(torch.int64)
-            flat = layout.flat.gather(1, child[:, None]).squeeze(1)
-            x = ids.index_select(0, flat)
-            accept = x == argmax_here  # -1 / out-of-range ids never equal an argmax
-            if r is not None:
-                assert z is not None and u_all is not None
-                ok, safe = _valid_ids(x, vocab)
-                u = u_all.index_select(0, flat)
-                r_x = r.gather(1, safe[:, None]).squeeze(1)
-                if rule == "sampled":
-                    assert draft_probs is not None
-                    q_row = draft_probs.index_select(0, flat).to(torch.float32)
-                    q_x = q_row.gather(1, safe[:, None]).squeeze(1)
-                    test = ok & (q_x > 0) & (u * q_x * z < r_x)
-                    residual = (r / z[:, None] - q_row).clamp(min=0)
-                else:  # deterministic: remove x from p'
-                    test = ok & (u * z < r_x)
-                    vocab_ids = torch.arange(vocab, device=dev)
-                    residual = torch.where(vocab_ids[None, :] == x[:, None],
-                                           torch.zeros_like(r), r)
-                accept = torch.where(greedy, accept, test)
-                mass = residual.sum(dim=1)
-                update = has & ~accept & ~greedy & (mass > 0)
-                r = torch.where(update[:, None], residual, r)
-                z = torch.where(update, mass, z)
-            accept = accept & has
-            moved = moved | accept
-            nxt = torch.where(accept, child, nxt)
-        cur = torch.where(moved, nxt, cur)
-        active = active & moved
-        if r is not None:
-            assert z is not None
-            fresh = node_probs.index_select(0, _node_rows(layout, cur)).to(torch.float32)
-            r = torch.where(moved[:, None], fresh, r)
-            z = torch.where(moved, torch.ones_like(z), z)
-    return cur, r
+    n_children = layout.max_children
+    sampled = rule == "sampled"
+    u_all = None if uniforms is None else uniforms.to(torch.float32).clamp(max=_BELOW_ONE)
+    ones = torch.ones(b, dtype=torch.float32, device=dev)
+    c = torch.zeros_like(ones)  # sampled: residual coefficient at the current node
+    c_prev = torch.zeros_like(ones)
+    m = ones  # sampled: its normaliser; deterministic: Z = 1 - removed mass
+    removed = torch.full((b, max(n_children, 1)), -1, dtype=torch.int64, device=dev)
+    if layout.num_nodes:
+        active = torch.ones(b, dtype=torch.bool, device=dev)
+        for _ in range(layout.max_depth):
+            moved = torch.zeros(b, dtype=torch.bool, device=dev)
+            nxt = torch.full((b,), -1, dtype=torch.int64, device=dev)
+            here = _node_rows(layout, cur)
+            argmax_here = tgt.index_select(0, here)
+            child_of = (layout.parent == cur[:, None]) & layout.valid  # [B, N]
+            if rule is not None and sampled and n_children > 1:
+                # Rows for the [B, V] normalisers of later siblings.
+                first = child_of.to(torch.int32).argmax(dim=1).to(torch.int64)
+                first_flat = layout.flat.gather(1, first[:, None]).squeeze(1)
+                assert draft_probs is not None
+                p_row = node_probs.index_select(0, here).to(torch.float32)
+                q_row = draft_probs.index_select(0, first_flat).to(torch.float32)
+            for k in range(n_children):
+                cand = child_of & (layout.rank == k)
+                has = cand.any(dim=1) & active & ~moved
+                child = cand.to(torch.int32).argmax(dim=1).to(torch.int64)
+                flat = layout.flat.gather(1, child[:, None]).squeeze(1)
+                x = ids.index_select(0, flat)
+                accept = x == argmax_here  # -1 / out-of-range ids never equal an argmax
+                if rule is not None:
+                    assert u_all is not None
+                    ok, safe = _valid_ids(x, vocab)
+                    u = u_all.index_select(0, flat)
+                    p_x = _pick(node_probs, here, safe)
+                    reject = has & ~greedy
+                    if sampled:
+                        assert draft_probs is not None
+                        q_x = _pick(draft_probs, flat, safe)
+                        r_x = (p_x - c * q_x).clamp(min=0)
+                        test = ok & (q_x > 0) & (u * q_x * m < r_x)
+                        reject = reject & ~test
+                        c_prev = torch.where(reject, c, c_prev)
+                        c_next = c + m
+                        if k + 1 < n_children:
+                            # p - c q in one pass, clamped in place.
+                            m_next = torch.addcmul(p_row, q_row, -c_next[:, None])
+                            m_next = m_next.clamp_(min=0).sum(dim=1)
+                            # No mass left (p' == q up to rounding): p' stays as it was.
+                            keep = reject & (m_next > 0)
+                            c = torch.where(keep, c_next, c)
+                            m = torch.where(keep, m_next, m)
+                        else:  # the last sibling: only the extra token reads c
+                            c = torch.where(reject, c_next, c)
+                    else:
+                        dup = (removed == x[:, None]).any(dim=1)
+                        r_x = torch.where(dup, torch.zeros_like(p_x), p_x)
+                        test = ok & (r_x > 0) & (u * m < r_x)
+                        reject = reject & ~test
+                        drop = reject & ok & ~dup
+                        removed[:, k] = torch.where(drop, x, removed[:, k])
+                        m = torch.where(drop, m - p_x, m)
+                    accept = torch.where(greedy, accept, test)
+                accept = accept & has
+                moved = moved | accept
+                nxt = torch.where(accept, child, nxt)
+            cur = torch.where(moved, nxt, cur)
+            active = active & moved
+            # A fresh node: nothing rejected there yet.
+            c = torch.where(moved, torch.zeros_like(c), c)
+            c_prev = torch.where(moved, torch.zeros_like(c_prev), c_prev)
+            m = torch.where(moved, ones, m)
+            removed = torch.where(moved[:, None], torch.full_like(removed, -1), removed)
+    if rule is None:
+        return cur, None
+    # The extra token's distribution at the final node.
+    p_final = node_probs.index_select(0, _node_rows(layout, cur)).to(torch.float32)
+    if sampled:
+        assert draft_probs is not None
+        if layout.num_nodes == 0:
+            return cur, p_final
+        child_of = (layout.parent == cur[:, None]) & layout.valid
+        first = child_of.to(torch.int32).argmax(dim=1).to(torch.int64)
+        q_final = draft_probs.index_select(0, layout.flat.gather(1, first[:, None]).squeeze(1))
+        q_final = q_final.to(torch.float32)
+        # c = 0 (nothing rejected, or a leaf) gives p itself, exactly.
+        dist = (p_final - c[:, None] * q_final).clamp(min=0)
+        empty = dist.sum(dim=1) <= 0
+        fallback = (p_final - c_prev[:, None] * q_final).clamp(min=0)
+        return cur, torch.where(empty[:, None], fallback, dist)
+    # Zero the rejected tokens; unused slots (-1) write into a spare column V.
+    idx = torch.where(removed >= 0, removed, torch.full_like(removed, vocab))
+    padded = torch.cat([p_final, p_final.new_zeros(b, 1)], dim=1)
+    dist = padded.scatter(1, idx, 0.0)[:, :vocab]
+    empty = dist.sum(dim=1) <= 0
+    return cur, torch.where(empty[:, None], p_final, dist)
 
 
 def _mtad_choice(
@@ -951,7 +1024,8 @@ def verify_tree(
     ``node_probs`` [T + B, V] (request-major, row 0 = after the root); ``is_greedy`` [B];
     ``uniforms`` [T] one per node; ``exp_noise`` [B, V]; ``target_argmax`` [T + B]
     (default: the rows' first maximum); ``draft_probs`` [T, V] (``"sampled"``: the q row
-    each child was drawn from; ``"mtad"``: a source of ``draft_token_probs``);
+    each child was drawn from, the same row for siblings, of which the first child's is
+    read; ``"mtad"``: a source of ``draft_token_probs``);
     ``draft_token_probs`` [T] (``"mtad"``: each node's q of its token);
     ``acceptance_threshold`` MTAD's tau. ``all_greedy=True`` (every request greedy,
     which the caller knows on the host) skips the sampled work; uniforms, noise and q
@@ -968,8 +1042,8 @@ def verify_tree(
     greedy = torch.ones(b, dtype=torch.bool, device=dev) if all_greedy else is_greedy.to(torch.bool)
     ids = batch.token_ids.to(torch.int64)
 
-    walk_probs = None if (all_greedy or rule == "mtad") else node_probs
-    final, r = _walk(layout, ids, walk_probs, rule, greedy, target_argmax, uniforms,
+    walk_rule = None if (all_greedy or rule == "mtad") else rule
+    final, r = _walk(layout, ids, node_probs, walk_rule, greedy, target_argmax, uniforms,
                      draft_probs)
     extra = target_argmax.index_select(0, _node_rows(layout, final))
     if not all_greedy:
