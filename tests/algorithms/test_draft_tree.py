@@ -371,3 +371,78 @@ def test_every_final_beam_of_a_beam_search_is_a_path_of_its_tree() -> None:
             assert float(tree.token_logprobs[r, i]) == pytest.approx(float(table[prev, path[-1]]))
         # A tree of B beams of depth D needs fewer than B * D nodes when prefixes are shared.
         assert n <= beams * depth
+
+
+def test_expand_frontier_takes_each_nodes_top_children_and_the_best_as_frontier() -> None:
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        b, w, vocab, k, width = 3, 1 + trial % 4, 9, 1 + trial % 3, 1 + trial % 5
+        logprobs = torch.randn(b, w, vocab, generator=g).log_softmax(-1)
+        base = -torch.rand(b, w, generator=g) * 4
+        base[0, -1] = -math.inf  # a dead frontier node
+        columns = torch.randint(0, 7, (b, w), generator=g)
+        got = DT.expand_frontier(logprobs, base, columns, k, width)
+        for r in range(b):
+            cands = []  # (score, token, parent column, lp), column order
+            for j in range(w):
+                order = sorted(range(vocab), key=lambda v: -float(logprobs[r, j, v]))[:k]
+                for v in order:
+                    lp = float(logprobs[r, j, v])
+                    score = float(base[r, j]) + lp if math.isfinite(base[r, j]) else -math.inf
+                    cands.append((score, v, int(columns[r, j]), lp))
+            assert got.tokens[r].tolist() == [c[1] for c in cands]
+            assert got.parents[r].tolist() == [c[2] for c in cands]
+            assert got.scores[r].tolist() == pytest.approx([c[0] for c in cands])
+            assert got.token_logprobs[r].tolist() == pytest.approx([c[3] for c in cands])
+            best = sorted(range(len(cands)), key=lambda i: -cands[i][0])[:width]
+            live = [i for i in best if math.isfinite(cands[i][0])]
+            assert got.frontier[r, :len(live)].tolist() == live
+            assert got.frontier_scores[r, len(live):].eq(-math.inf).all()
+
+
+def test_an_eagle2_tree_keeps_the_best_nodes_of_every_expanded_candidate() -> None:
+    """Expand 4 depths with a toy bigram drafter, then keep the best 10 nodes overall."""
+    g = torch.Generator().manual_seed(11)
+    rows, vocab, k, width, depth, max_nodes = 4, 8, 3, 2, 4, 10
+    table = (2 * torch.randn(vocab + 1, vocab, generator=g)).log_softmax(-1)  # row vocab: root
+    last = torch.full((rows, 1), vocab)  # each frontier node's token
+    scores, columns = torch.zeros(rows, 1), None
+    levels = []
+    for _ in range(depth):
+        step = DT.expand_frontier(table[last], scores, columns, k, width)
+        levels.append(step)
+        scores, columns = step.frontier_scores, step.frontier
+        last = step.tokens.gather(1, step.frontier)
+    tree = DT.tree_from_beams([s.tokens for s in levels], [s.parents for s in levels],
+                              [s.scores for s in levels], max_nodes,
+                              token_logprobs=[s.token_logprobs for s in levels])
+    assert tree.num_nodes.tolist() == [max_nodes] * rows
+    for r in range(rows):
+        paths = _node_paths(tree, r)
+        # Every node's draft score is the sum of the drafter's log-probs along its path.
+        for i, path in enumerate(paths):
+            prev = [vocab, *path[:-1]]
+            want = sum(float(table[a, t]) for a, t in zip(prev, path))
+            assert float(tree.scores[r, i]) == pytest.approx(want, abs=1e-5)
+        # ... and the kept nodes are the best max_nodes of all candidates of all depths.
+        every = sorted((float(s.scores[r, c]) for s in levels for c in range(s.scores.shape[1])),
+                       reverse=True)
+        assert sorted(tree.scores[r, :max_nodes].tolist(), reverse=True) == pytest.approx(
+            every[:max_nodes])
+        DT.TreeBatch(tree.token_ids[r], tree.parents[r], torch.tensor([max_nodes]))
+
+
+def test_sampled_children_keep_their_duplicates_when_asked() -> None:
+    g = torch.Generator().manual_seed(5)
+    logprobs = torch.tensor([[[0.7, 0.2, 0.1]]]).log().expand(64, 1, 3).contiguous()
+    step = DT.expand_frontier(logprobs, torch.zeros(64, 1), None, 4, 4, sample=True,
+                              generator=g)
+    merged = DT.tree_from_beams([step.tokens], [step.parents], [step.scores], 4)
+    kept = DT.tree_from_beams([step.tokens], [step.parents], [step.scores], 4,
+                              merge_duplicates=False, sibling_order="input")
+    assert kept.num_nodes.tolist() == [4] * 64
+    assert torch.equal(kept.token_ids, step.tokens)  # every draw, in draw order
+    distinct = [len(set(row)) for row in step.tokens.tolist()]
+    assert merged.num_nodes.tolist() == distinct and min(distinct) < 4
+    # The draws follow q: token 0 about 70% of 256 draws.
+    assert 0.6 < float((step.tokens == 0).float().mean()) < 0.8

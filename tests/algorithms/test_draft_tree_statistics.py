@@ -27,7 +27,13 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_specx.algorithms.draft_tree import TreeBatch, tree_from_paths, verify_tree
+from vllm_specx.algorithms.draft_tree import (
+    TreeBatch,
+    expand_frontier,
+    tree_from_beams,
+    tree_from_paths,
+    verify_tree,
+)
 
 V, N = 6, 100_000
 SIGNIFICANCE = 1e-3
@@ -193,3 +199,77 @@ def test_the_sampled_rule_on_top_k_children_is_caught() -> None:
     biased, and the same chi-square machinery says so decisively."""
     draws = TreeDraws("sampled", "topk", seed=505)
     assert min(p for *_, p in draws.columns()) < 1e-12
+
+
+@pytest.mark.parametrize("rule", ["sampled", "deterministic"])
+def test_drafted_trees_are_lossless_end_to_end(rule: str) -> None:
+    """The whole pure pipeline: expand_frontier (i.i.d. children for "sampled", EAGLE-2's
+    top-k plus pruning to the best 5 nodes for "deterministic"), tree_from_beams, then
+    verify_tree; the first two output columns must follow the target."""
+    n = 50_000
+    g = torch.Generator().manual_seed(606 if rule == "sampled" else 707)
+    p0, p1, p2 = _table(g, 1, scale=2.0), _table(g, V, scale=2.0), _table(g, V)
+    q0, q1 = _drafter(g, p0), _drafter(g, p1)
+    sample = rule == "sampled"
+    first = expand_frontier(q0.log().expand(n, 1, V), torch.zeros(n, 1), None, 3, 2,
+                            sample=sample, generator=g)
+    parent_tok = first.tokens.gather(1, first.frontier)  # [n, 2]
+    second = expand_frontier(q1[parent_tok].log(), first.frontier_scores, first.frontier,
+                             2, 2, sample=sample, generator=g)
+    tree = tree_from_beams(
+        [first.tokens, second.tokens], [first.parents, second.parents],
+        [first.scores, second.scores], 7 if sample else 5,
+        merge_duplicates=not sample, sibling_order="input" if sample else "score",
+    )
+    width = tree.token_ids.shape[1]
+    assert tree.num_nodes.tolist() == [width] * n  # q has no zero where p is peaked here
+    tokens, parents, depths = tree.token_ids, tree.parents, tree.depths
+    parent_token = tokens.gather(1, parents.clamp(min=0))
+    after = torch.where((depths == 1)[:, :, None], p1[tokens.clamp(min=0)],
+                        p2[tokens.clamp(min=0)])
+    rows = torch.cat([p0.expand(n, 1, V), after], dim=1)  # [n, 1 + width, V]
+    q_rows = torch.where((depths == 1)[:, :, None], q0.expand(n, width, V), q1[parent_token])
+    batch = TreeBatch(tokens.reshape(-1), parents.reshape(-1), torch.arange(1, n + 1) * width,
+                      max_num_nodes=width, max_depth=2)
+    verdict = verify_tree(
+        batch, rows.reshape(-1, V), rule=rule, is_greedy=torch.zeros(n, dtype=torch.bool),
+        uniforms=torch.rand(n * width, generator=g),
+        exp_noise=torch.empty(n, V).exponential_(generator=g),
+        draft_probs=q_rows.reshape(-1, V) if sample else None,
+    )
+    out = verdict.output_token_ids
+    assert (verdict.num_accepted == 2).any() and (verdict.num_accepted == 0).any()
+    for j, dist in ((0, lambda pre: p0.expand(len(pre), V)), (1, lambda pre: p1[pre[:, 0]])):
+        reached = out[:, j] != -1
+        prefix = out[reached].clamp(min=0)
+        group = prefix[:, 0] if j else torch.zeros(len(prefix), dtype=torch.int64)
+        stat, dof, pval = chi_square(out[reached, j], dist(prefix), group)
+        print(f"{rule} end to end, column {j}: n={int(reached.sum())} chi2={stat:.1f} p={pval:.3g}")
+        assert int(reached.sum()) > 5_000 and pval > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_merging_iid_duplicates_breaks_the_sampled_rule(merge: bool) -> None:
+    """Why tree_from_beams(merge_duplicates=False) exists: three i.i.d. root children
+    verified by SpecInfer's rule reproduce P0; merged into distinct tokens they do not
+    (a dropped duplicate skips the residual update its rejection makes)."""
+    n = 100_000
+    g = torch.Generator().manual_seed(808)
+    p0 = _table(g, 1, scale=2.0)
+    q0 = _drafter(g, p0)
+    step = expand_frontier(q0.log().expand(n, 1, V), torch.zeros(n, 1), None, 3, 3,
+                           sample=True, generator=g)
+    tree = tree_from_beams([step.tokens], [step.parents], [step.scores], 3,
+                           merge_duplicates=merge, sibling_order="input")
+    batch = tree.to_batch()
+    # Every request's rows: P0 after the root, and (unused but for leaves) P0 after nodes.
+    node_probs = p0.expand(batch.num_nodes + n, V)
+    verdict = verify_tree(
+        batch, node_probs, rule="sampled", is_greedy=torch.zeros(n, dtype=torch.bool),
+        uniforms=torch.rand(batch.num_nodes, generator=g),
+        exp_noise=torch.empty(n, V).exponential_(generator=g),
+        draft_probs=q0.expand(batch.num_nodes, V),
+    )
+    _, _, pval = chi_square(verdict.output_token_ids[:, 0], p0.expand(n, V),
+                            torch.zeros(n, dtype=torch.int64))
+    assert (pval < 1e-12) if merge else (pval > SIGNIFICANCE), pval

@@ -105,12 +105,14 @@ __all__ = [
     "TreeVerdict",
     "StaticTree",
     "DraftTree",
+    "Expansion",
     "node_depths",
     "ancestor_mask",
     "tree_layout",
     "tree_attention_mask",
     "tree_from_paths",
     "tree_from_beams",
+    "expand_frontier",
     "validate_tree_knob",
     "verify_tree",
 ]
@@ -582,6 +584,7 @@ def tree_from_beams(
     *,
     token_logprobs: Sequence[torch.Tensor] | None = None,
     sibling_order: str = "score",
+    merge_duplicates: bool = True,
 ) -> DraftTree:
     """Merge per-depth draft candidates into a trie and keep the best ``max_nodes``.
 
@@ -600,6 +603,12 @@ def tree_from_beams(
     BFS order: by depth, then by parent, then children by score (``sibling_order =
     "score"``, best first) or in the candidates' column order (``"input"``: keep i.i.d.
     draws in draw order, which the ``"sampled"`` rule needs). Vectorised over requests.
+
+    For the ``"sampled"`` rule the children of a node must stay i.i.d. draws: pass
+    ``merge_duplicates=False`` (a merged duplicate skips the residual update its rejection
+    would make), ``sibling_order="input"``, and a ``max_nodes`` that keeps every candidate
+    (keeping the likelier draws is a choice by value). Pruned or merged trees, EAGLE-2's
+    included, are verified with ``"deterministic"``, which is lossless for them.
     """
     depth_count = len(tokens)
     if depth_count == 0 or len(parents) != depth_count or len(scores) != depth_count:
@@ -655,6 +664,8 @@ def tree_from_beams(
         cols = torch.arange(w, device=dev)
         same = same & alive[:, None, :] & (cols[None, :] <= cols[:, None])[None]
         first = same.to(torch.int32).argmax(dim=2)  # alive rows always match themselves
+        if not merge_duplicates:
+            first = cols[None, :].expand(b, w)
         canon_local = torch.where(alive, first, cols[None, :].expand(b, w))
         canon_all.append(canon_local)
         eff_all.append(sc)
@@ -724,6 +735,95 @@ def tree_from_beams(
         source_index=place(all_col, -1),
         num_nodes=num_nodes,
         max_depth=depth_count,
+    )
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """One depth of a dynamic tree (:func:`expand_frontier`), ``[B, W * k]`` candidates
+    in the format :func:`tree_from_beams` takes per depth, plus the next frontier.
+
+    ``tokens``, ``parents`` (the column of each child's parent among the PREVIOUS depth's
+    candidates), ``scores`` (cumulative draft log-probability, -inf: dead),
+    ``token_logprobs``; frontier node ``j``'s children are columns ``j * k .. j * k + k - 1``.
+    ``frontier`` [B, width]: the columns to expand next, best first;
+    ``frontier_scores`` [B, width] their scores (-inf pads a row with too few live ones).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    token_logprobs: torch.Tensor
+    frontier: torch.Tensor
+    frontier_scores: torch.Tensor
+
+
+def expand_frontier(
+    logprobs: torch.Tensor,
+    frontier_scores: torch.Tensor,
+    frontier_columns: torch.Tensor | None,
+    branching: int,
+    width: int,
+    *,
+    sample: bool = False,
+    generator: torch.Generator | None = None,
+) -> Expansion:
+    """EAGLE-2's expansion step: the top ``branching`` children of every frontier node, and
+    the ``width`` best of them (by cumulative draft probability) as the next frontier.
+
+    ``logprobs`` [B, W, V]: the drafter's (warped) next-token log-probabilities after each
+    frontier node (W = 1 with the root at depth 0). ``frontier_scores`` [B, W]: their
+    cumulative log-probabilities (zeros for the root; -inf: dead, whose children are dead).
+    ``frontier_columns`` [B, W]: their columns among the previous depth's candidates
+    (None at the root). ``sample=True`` draws the children i.i.d. from the drafter instead
+    (with replacement, in draw order: the ``"sampled"`` rule's proposal; keep every draw
+    when building the tree, see :func:`tree_from_beams`). Greedy top-k keeps ties in
+    ``torch.topk`` order. Vectorised; the drafter runs one batched pass per depth over
+    the ``width`` frontier nodes.
+    """
+    if logprobs.ndim != 3:
+        raise _shape_error("logprobs", "[B, W, V]", logprobs)
+    b, w, vocab = logprobs.shape
+    if tuple(frontier_scores.shape) != (b, w):
+        raise _shape_error("frontier_scores", f"[B={b}, W={w}]", frontier_scores)
+    if frontier_columns is not None and tuple(frontier_columns.shape) != (b, w):
+        raise _shape_error("frontier_columns", f"[B={b}, W={w}]", frontier_columns)
+    if branching < 1 or (not sample and branching > vocab) or width < 1:
+        raise ValueError(f"branching must be >= 1 (<= V={vocab} for top-k children) and "
+                         f"width >= 1, got {branching} and {width}")
+    lp = logprobs.to(torch.float32)
+    if sample:
+        flat = lp.reshape(b * w, vocab).exp()
+        # A dead frontier node may hold any finite row; one with no mass draws token 0.
+        flat = torch.where(flat.sum(dim=1, keepdim=True) > 0, flat, torch.ones_like(flat))
+        tokens = torch.multinomial(flat, branching, replacement=True, generator=generator)
+        tokens = tokens.view(b, w, branching)
+        child_lp = lp.gather(2, tokens)
+    else:
+        child_lp, tokens = lp.topk(branching, dim=2)
+    base = frontier_scores.to(torch.float32)
+    dead = torch.isnan(base) | (base == -math.inf)
+    scores = torch.where(dead[:, :, None], torch.full_like(child_lp, -math.inf),
+                         base[:, :, None] + child_lp)
+    scores = torch.where(torch.isnan(scores), torch.full_like(scores, -math.inf), scores)
+    cols = (frontier_columns.to(torch.int64) if frontier_columns is not None
+            else torch.zeros(b, w, dtype=torch.int64, device=lp.device))
+    parents = cols[:, :, None].expand(b, w, branching)
+    n = w * branching
+    scores = scores.reshape(b, n)
+    take = min(width, n)
+    top_scores, top_cols = scores.topk(take, dim=1)
+    if take < width:
+        pad = width - take
+        top_cols = torch.cat([top_cols, top_cols.new_zeros(b, pad)], dim=1)
+        top_scores = torch.cat([top_scores, top_scores.new_full((b, pad), -math.inf)], dim=1)
+    return Expansion(
+        tokens=tokens.reshape(b, n),
+        parents=parents.reshape(b, n),
+        scores=scores,
+        token_logprobs=child_lp.reshape(b, n),
+        frontier=top_cols,
+        frontier_scores=top_scores,
     )
 
 
