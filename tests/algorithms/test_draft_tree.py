@@ -237,6 +237,15 @@ def test_requests_without_nodes_emit_one_token_from_their_root_row() -> None:
         assert verdict.output_token_ids.tolist() == [[1], [2], [0]]
         assert verdict.accepted_nodes.shape == (3, 0)
     assert case.batch.num_requests > 0  # the helper itself works on random cases
+    # No requests at all: empty outputs of the right shapes, for every rule.
+    none = torch.zeros(0, dtype=torch.int64)
+    for rule in TREE_VARIANTS:
+        verdict = DT.verify_tree(
+            DT.TreeBatch(none, none, none), torch.zeros(0, 5), rule=rule,
+            is_greedy=torch.zeros(0, dtype=torch.bool), uniforms=torch.zeros(0),
+            exp_noise=torch.zeros(0, 5), draft_probs=torch.zeros(0, 5),
+            draft_token_probs=torch.zeros(0))
+        assert verdict.output_token_ids.shape == (0, 1) and verdict.num_accepted.shape == (0,)
 
 
 def test_deterministic_rule_never_accepts_a_duplicate_sibling() -> None:
