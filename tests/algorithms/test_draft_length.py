@@ -169,5 +169,12 @@ def test_acceptance_history_rates_and_probes():
     assert h.probes(["a", "b"], zero).tolist() == [0, 0]
     assert h.probes(["a", "b"], np.array([0, 2])).tolist() == [0, 2]
     assert h.probes(["a", "b"], zero).tolist() == [1, 0]  # "a" idle for 3 steps
+    # While "bad" drafts nothing its own evidence fades: its rate drifts to the pooled one.
+    h.decay = 0.5
+    before = h.rates(["bad"])[0, 0]
+    for _ in range(10):
+        h.probes(["bad"], np.zeros(1, dtype=np.int64))
+    after = h.rates(["bad"])[0, 0]
+    assert before < after == pytest.approx(h.pooled_rates()[0], abs=0.01)
     h.forget_except(["good"])
     assert h.rates(["bad"])[0].tolist() == pytest.approx(h.pooled_rates().tolist())

@@ -237,12 +237,18 @@ class AcceptanceHistory:
     def probes(self, req_ids: Sequence[str], lengths: np.ndarray) -> np.ndarray:
         """``lengths`` with a one-token draft for every request that has drafted nothing for
         ``probe_interval`` steps (and drafts nothing now): without it a request planned at
-        zero would never learn that its drafts became good. Updates the idle counters."""
+        zero would never learn that its drafts became good. Updates the idle counters, and
+        a request planned at zero forgets a little of its own history (``decay`` per
+        step), so its estimate drifts back toward the pooled rate while it does not draft
+        instead of staying at the few rejections that stopped it."""
         out = lengths.copy()
         for row, rid in enumerate(req_ids):
             if out[row] > 0:
                 self._idle[rid] = 0
                 continue
+            if rid in self._tried:
+                self._tried[rid] *= self.decay
+                self._accepted[rid] *= self.decay
             idle = self._idle.get(rid, 0) + 1
             if idle >= self.probe_interval:
                 out[row] = 1
