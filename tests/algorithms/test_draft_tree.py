@@ -455,3 +455,63 @@ def test_sampled_children_keep_their_duplicates_when_asked() -> None:
     assert merged.num_nodes.tolist() == distinct and min(distinct) < 4
     # The draws follow q: token 0 about 70% of 256 draws.
     assert 0.6 < float((step.tokens == 0).float().mean()) < 0.8
+
+
+def _toy_logits(context: tuple[int, ...], vocab: int, salt: int = 0) -> torch.Tensor:
+    """A deterministic toy "model": logits from a hash of the context, rounded (ties)."""
+    g = torch.Generator().manual_seed((hash(context) * 31 + salt) % (2**31))
+    return torch.randn(vocab, generator=g).mul(1.5).round()
+
+
+def test_greedy_tree_speculation_equals_greedy_decoding() -> None:
+    """Many rounds of EAGLE-2 trees (expand_frontier + tree_from_beams, ragged sizes)
+    verified greedily: the text is the target's greedy continuation, token for token."""
+    vocab, steps_out, b = 6, 30, 5
+
+    def draft(ctx: tuple[int, ...]) -> torch.Tensor:  # the target plus noise
+        return (_toy_logits(ctx, vocab) + _toy_logits(ctx, vocab, salt=7) * 0.7).log_softmax(-1)
+
+    reference = []
+    for r in range(b):
+        seq = [r]
+        while len(seq) <= steps_out:
+            seq.append(int(_toy_logits(tuple(seq), vocab).argmax()))
+        reference.append(seq)
+    seqs = [[r] for r in range(b)]
+    rounds = 0
+    while min(len(s) for s in seqs) <= steps_out:
+        rounds += 1
+        trees, node_rows = [], []
+        for r, seq in enumerate(seqs):
+            # Per request: 3 depths, 2 children per node, frontier 2, 1..6 nodes kept.
+            frontier: list[tuple[int, ...]] = [()]
+            scores, columns = torch.zeros(1, 1), None
+            levels = []
+            for _ in range(3):
+                logprobs = torch.stack([draft(tuple(seq) + path) for path in frontier])[None]
+                step = DT.expand_frontier(logprobs, scores, columns, 2, 2)
+                children = [frontier[c // 2] + (int(step.tokens[0, c]),)
+                            for c in range(step.tokens.shape[1])]
+                levels.append(step)
+                frontier = [children[int(c)] for c in step.frontier[0]]
+                scores, columns = step.frontier_scores, step.frontier
+            tree = DT.tree_from_beams([s.tokens for s in levels], [s.parents for s in levels],
+                                      [s.scores for s in levels], 1 + (r + rounds) % 6)
+            trees.append(tree)
+            paths = _node_paths(tree, 0)
+            node_rows.append(torch.stack([_toy_logits(tuple(seq) + p, vocab)
+                                          for p in [(), *paths]]))
+        batch = DT.TreeBatch(
+            torch.cat([t.flat(t.token_ids) for t in trees]),
+            torch.cat([t.flat(t.parents) for t in trees]),
+            torch.cumsum(torch.cat([t.num_nodes for t in trees]), 0),
+        )
+        logits = torch.cat(node_rows)
+        verdict = DT.verify_tree(batch, logits.softmax(-1), rule="deterministic",
+                                 is_greedy=torch.ones(b, dtype=torch.bool),
+                                 target_argmax=logits.argmax(-1), all_greedy=True)
+        for seq, row in zip(seqs, output_rows(verdict.output_token_ids)):
+            seq.extend(row)
+    for seq, ref in zip(seqs, reference):
+        assert seq[: len(ref)] == ref
+    assert rounds < steps_out * 0.7  # trees were accepted: far fewer rounds than tokens
