@@ -117,6 +117,31 @@ def test_greedy_tree_equals_no_speculation(pair, engine):
     assert stats["accepted"] > stats["tree_requests"]  # more than one node per tree step
 
 
+@torch.no_grad()
+def reference_logprobs(target: Any, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The target's log-probability of each generated token, recomputed in one pass."""
+    logits = target(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    lp = logits.log_softmax(-1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+def test_logprobs_come_from_each_token_s_own_tree_row(pair, engine):
+    """vLLM reads a request's j-th logprob from its j-th row; a tree's accepted token was
+    verified on its parent's row, which the sampler hands vLLM instead."""
+    from vllm import SamplingParams
+
+    _, target = pair
+    prompts = prompts_of([7, 19], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=14, logprobs=0)] * 2
+    compacted = engine.state.stats.compacted
+    for out, prompt in zip(engine.generate(prompts, params), prompts):
+        tokens = list(out.outputs[0].token_ids)
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        want = reference_logprobs(target, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3, (got, want)
+    assert engine.state.stats.compacted > compacted
+
+
 def test_prefix_caching_and_preemption(pair, engine):
     """Shared prefixes, twice (the second pass hits the prefix cache, whose blocks hold
     compacted tree KV), on a KV cache so small that requests are preempted and

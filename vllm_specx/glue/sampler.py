@@ -79,10 +79,12 @@ class SpecxRejectionSampler(RejectionSampler):
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
+            lp_target, lp_bonus = self._tree_logprob_rows(
+                metadata, target_logits if self.is_processed_logprobs_mode
+                else raw_target_logits, bonus_out.logprobs_tensors.logprobs)
             logprobs_tensors = self._get_logprobs_tensors(
-                sampling_metadata.max_num_logprobs, metadata, logits,
-                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
-                bonus_out.logprobs_tensors.logprobs, output_token_ids,
+                sampling_metadata.max_num_logprobs, metadata, logits, lp_target, lp_bonus,
+                output_token_ids,
             )
         return SamplerOutput(sampled_token_ids=output_token_ids,
                              logprobs_tensors=logprobs_tensors)
@@ -166,6 +168,36 @@ class SpecxRejectionSampler(RejectionSampler):
             output_token_ids[tree.row, : a + 1] = verdict.output_token_ids[i, : a + 1].to(
                 output_token_ids.dtype)
             step.accepted[tree.row] = verdict.accepted_nodes[i, :a].tolist()
+
+    def _tree_logprob_rows(self, metadata: Any, target_rows: torch.Tensor,
+                           bonus_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows vLLM's logprobs computation reads, reordered for tree requests.
+
+        vLLM takes the logprobs of a request's j-th output token from its j-th row
+        (chain layout). A tree request's j-th accepted token was verified on its parent's
+        row: the root's for j = 0, node ``path[j - 1]``'s after that (the extra token
+        too). The step's rows are laid out as vLLM does (target rows at
+        ``target_logits_indices``, bonus rows at ``bonus_logits_indices``), permuted per
+        tree request, and split back."""
+        state = self.tree_state
+        step = state.step if state is not None else None
+        if step is None or not step.accepted:
+            return target_rows, bonus_rows
+        t_idx, b_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
+        num_rows = int(t_idx.shape[0] + b_idx.shape[0])
+        full = target_rows.new_zeros(num_rows, target_rows.shape[1], dtype=torch.float32)
+        full[t_idx] = target_rows.to(torch.float32)
+        full[b_idx] = bonus_rows.to(torch.float32)
+        perm = torch.arange(num_rows, device=full.device)
+        row_start = np.concatenate([[0], np.cumsum([int(n) + 1 for n in
+                                                    metadata.num_draft_tokens])])
+        for tree in step.trees:
+            path = step.accepted.get(tree.row, [])
+            first = int(row_start[tree.row])
+            src = torch.tensor([0] + [1 + n for n in path], device=full.device) + first
+            perm[first: first + len(path) + 1] = src
+        full = full[perm]
+        return full[t_idx], full[b_idx]
 
     def apply_constraints(self, target_logits: torch.Tensor, metadata: Any,
                           sampling_metadata: Any) -> torch.Tensor:
