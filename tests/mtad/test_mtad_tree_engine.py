@@ -194,3 +194,19 @@ def test_mixed_batch_of_trees_and_chains(pair, engine):
             list(o.outputs[0].token_ids) for o in first]
     finally:
         drafter.greedy_chain = False
+
+
+def test_penalties_fall_back_to_chain_verification(pair, engine):
+    """A repetition penalty changes the target's logits along the output tokens, which a
+    tree's rows do not follow: such steps verify the scheduled BFS nodes as a chain (vLLM's
+    own penalised verification), and trees resume when the batch has no penalty."""
+    from vllm import SamplingParams
+
+    stats = engine.state.stats
+    before = (stats.tree_requests, stats.chain_fallback_steps)
+    prompts = prompts_of([12, 8], seed=4)
+    penalised = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3)
+    outs = engine.generate(prompts, [penalised] * 2)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert stats.chain_fallback_steps > before[1]
+    assert stats.tree_requests == before[0]

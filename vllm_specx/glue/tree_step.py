@@ -103,6 +103,25 @@ class TreeStats:
     tree_nodes: int = 0  # their draft nodes
     accepted: int = 0  # their accepted nodes
     compacted: int = 0  # request-steps whose path had to be moved
+    chain_fallback_steps: int = 0  # steps verified as chains (chain_only_reason)
+
+
+def chain_only_reason(sampling_metadata: Any) -> str | None:
+    """Why this step's drafts must be verified as chains, or None: something in the batch
+    changes the target's logits along the output tokens (see ``TreeState.begin_step``)."""
+    md = sampling_metadata
+    if not md.no_penalties:
+        return "penalties"
+    if md.bad_words_token_ids:
+        return "bad words"
+    if md.allowed_token_ids_mask is not None:
+        return "allowed_token_ids"
+    for processor in md.logitsprocs.non_argmax_invariant:
+        # vLLM's built-in ones are idle unless a request set min_tokens / logit_bias.
+        state = getattr(processor, "min_toks", getattr(processor, "biases", None))
+        if state is None or state:
+            return type(processor).__name__
+    return None
 
 
 class TreeState:
@@ -132,6 +151,15 @@ class TreeState:
 
         self.step = None
         if spec_decode_metadata is None or not self.drafted:
+            return
+        reason = chain_only_reason(runner.input_batch.sampling_metadata)
+        if reason is not None:
+            # Penalties, bad words, allowed tokens and non-argmax-invariant logits
+            # processors are applied along the chain's output tokens (vLLM's rejection
+            # sampler); a tree's rows would need them along each node's path. The step's
+            # drafts are then verified as the chain vLLM scheduled (BFS order), which is
+            # always correct, only less likely to be accepted.
+            self.stats.chain_fallback_steps += 1
             return
         batch = runner.input_batch
         num_reqs = batch.num_reqs
