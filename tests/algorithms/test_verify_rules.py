@@ -238,3 +238,33 @@ def test_batch_fills_in_defaults_once() -> None:
     assert batch.draft_token_probs.tolist() == pytest.approx([0.7, 0.6])  # -1 reads column 0
     given = dataclasses.replace(batch, target_argmax=torch.tensor([1, 1], dtype=torch.int32))
     assert given.target_argmax.dtype == torch.int64 and given.target_argmax.tolist() == [1, 1]
+
+
+def test_verify_greedy_equals_verify_on_all_greedy_batches() -> None:
+    """The all-greedy shortcut (token ids only: no probabilities, no random draws) gives
+    exactly what the full rule and the slow reference give once every request is greedy
+    and the bonus distribution is one-hot at vLLM's bonus token (what the sampler glue
+    passes), under both rules, on ragged batches with ties, off-support drafts and
+    steps without drafts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from verify_reference import RULE_VARIANTS, random_batch, reference_verify
+
+    for variant in RULE_VARIANTS:
+        for seed in range(40):
+            batch = random_batch(1300 + seed, variant)
+            bonus_ids = torch.randint(0, batch.vocab_size, (batch.num_requests,),
+                                      generator=torch.Generator().manual_seed(seed))
+            one_hot = torch.nn.functional.one_hot(bonus_ids, batch.vocab_size).float()
+            greedy = dataclasses.replace(
+                batch, is_greedy=torch.ones(batch.num_requests, dtype=torch.bool),
+                bonus_probs=one_hot)
+            out = V.verify_greedy(greedy.draft_token_ids, greedy.cu_num_draft_tokens,
+                                  greedy.target_argmax, bonus_ids.view(-1, 1),
+                                  greedy.max_spec_len)
+            assert out.dtype == torch.int64
+            assert torch.equal(out, V.verify(greedy)), (variant, seed)
+            emitted, _ = reference_verify(greedy)
+            assert [[t for t in row if t != -1] for row in out.tolist()] == emitted

@@ -21,7 +21,9 @@ def draw_draft_tokens(
     temperature: torch.Tensor | None = None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    need_probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draw one draft token for each of ``rows`` (indices into the batch).
 
     ``logits``: ``[len(rows), V]``, one row per drawn request. ``greedy`` (``[batch]``
@@ -33,10 +35,13 @@ def draw_draft_tokens(
     Returns (tokens ``[n]``, probabilities ``[n, V]``): greedy rows take the argmax of the
     raw logits (as vLLM's drafter does) and report the unwarped softmax; sampled rows draw
     from the warped distribution (Gumbel-max, a seeded row from its own generator only)
-    and report it.
+    and report it. ``need_probs=False`` (the caller reads no probabilities: a fixed-length
+    round of argmax drafts) returns None for them when every request is greedy, saving
+    the ``[n, V]`` softmax; the tokens are the same.
     """
     if temperature is None:  # every request greedy
-        return logits.argmax(dim=-1), logits.float().softmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.float().softmax(dim=-1) if need_probs else None
     dev_rows = rows.to(logits.device)
 
     def sel(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -268,3 +268,33 @@ def make_stop_rule(
     # A "confidence_signal" setting (if the method grows that knob) wins over the argument.
     signal = settings.get("confidence_signal") or confidence_signal
     return ConfidenceStop(threshold, signal, min_tokens=min_tokens, max_tokens=max_tokens)
+
+
+def fixed_keep(rule: DraftStopRule, depth: int) -> bool | None:
+    """``keep`` at ``depth`` when it is the same for every row whatever the draft says
+    (a fixed K, or the ``[min_tokens, max_tokens]`` clamp of the rules above), else None:
+    the rule decides row by row. A caller that gets a bool needs no per-row answer, so a
+    drafting round can go on without reading the rule's verdict back from the device.
+    Rules of other types (defined elsewhere) are asked every time (None)."""
+    drafted = depth + 1
+    if isinstance(rule, AlwaysContinue):
+        return drafted < rule.max_tokens
+    if type(rule) in (ConfidenceStop, HeadStop):
+        if drafted >= rule.max_tokens:
+            return False
+        if drafted < rule.min_tokens:
+            return True
+    return None
+
+
+def step_needed(rule: DraftStopRule, depth: int) -> bool:
+    """Whether ``rule.step`` must run at ``depth``: its verdict there is per row, or its
+    state must advance for a per-row verdict later in the round (:class:`HeadStop`'s
+    running product). False lets a round skip the step, and the probabilities it reads."""
+    if fixed_keep(rule, depth) is None:
+        return True
+    if isinstance(rule, (AlwaysContinue, ConfidenceStop)):  # stateless
+        return False
+    if isinstance(rule, HeadStop):
+        return any(fixed_keep(rule, d) is None for d in range(depth + 1, rule.max_tokens))
+    return True

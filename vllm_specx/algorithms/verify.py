@@ -86,6 +86,7 @@ __all__ = [
     "num_accepted_from_output",
     "as_float32_uniforms",
     "verify",
+    "verify_greedy",
 ]
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -491,3 +492,36 @@ def verify(batch: VerifyBatch) -> torch.Tensor:
     greedy_token = greedy_extra_token(batch, num_accepted, layout)
     extra = sample_extra_token(dist, batch.exp_noise, batch.is_greedy, greedy_token)
     return assemble_output(batch.draft_token_ids, num_accepted, extra, layout)
+
+
+def verify_greedy(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_argmax: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    max_spec_len: int,
+) -> torch.Tensor:
+    """:func:`verify` for a batch whose requests are ALL greedy, from token ids alone.
+
+    Greedy verification reads nothing but the target's greedy token per draft
+    (``target_argmax``, ``[T]``) and after the last one (``bonus_token_ids``, ``[B]``):
+    accept while ``x_i == target_argmax_i``, then emit ``target_argmax`` at the first
+    mismatch or the bonus token after a full accept. So an all-greedy step needs no
+    ``[T, V]`` probabilities, no ``[B, V]`` bonus rows and no random draws (vLLM's own
+    sampler takes the same shortcut); the output equals :func:`verify` on the same step
+    with ``is_greedy`` all True and ``bonus_probs`` one-hot at ``bonus_token_ids``, under
+    either rule. ``[B, max_spec_len + 1]`` int64, no host sync.
+    """
+    bonus = bonus_token_ids.reshape(-1).to(torch.int64)
+    num_tokens = int(draft_token_ids.shape[0])
+    layout = request_layout(cu_num_draft_tokens, num_tokens, max_spec_len)
+    if num_tokens == 0:
+        num_accepted = torch.zeros_like(layout.num)
+        extra = bonus
+    else:
+        accepted = _pad(greedy_accept(draft_token_ids, target_argmax), layout, False)
+        num_accepted = first_rejection(accepted, layout)
+        at_row = target_argmax.to(torch.int64).index_select(
+            0, _extra_token_row(num_accepted, layout))
+        extra = torch.where(num_accepted >= layout.num, bonus, at_row)
+    return assemble_output(draft_token_ids, num_accepted, extra, layout)

@@ -46,7 +46,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
-from vllm_specx.algorithms.draft_stop import DraftStopRule
+from vllm_specx.algorithms.draft_stop import DraftStopRule, fixed_keep, step_needed
 from vllm_specx.glue.cost_model import CostControl
 from vllm_specx.glue.draft_passes import (
     RoundStart,
@@ -199,7 +199,11 @@ class ChainRound:
         greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs, device)
         argmax_only = self.drafts_argmax()
         # Sampled requests need their full q for the residual; greedy ones never read it.
-        keep_q = not argmax_only and not bool(greedy.all())
+        # vLLM's host flag where it has one: no device read for it.
+        all_greedy = getattr(sampling_metadata, "all_greedy", None)
+        if all_greedy is None:
+            all_greedy = bool(greedy.all())
+        keep_q = not argmax_only and not all_greedy
         draw_greedy = torch.ones_like(greedy) if argmax_only else greedy
         generators = sampling_metadata.generators or {}
 
@@ -209,12 +213,16 @@ class ChainRound:
             plan = control.plan(req_ids, k_max, rule, device)
             rule, caps = plan.rule, plan.caps
         state = rule.start(num_reqs, device)
-        tokens = torch.zeros(num_reqs, k_max, dtype=torch.int64)  # host: tails are fed from it
-        lengths = torch.zeros(num_reqs, dtype=torch.int64)
+        # The drafts stay on the device while the round runs and are read once, after it:
+        # a pass reads back only what the host must know to build it (which requests are
+        # still drafting, when the rule decides that per row).
+        tokens = start.out.new_zeros((num_reqs, k_max), dtype=torch.int64)
+        lengths = start.out.new_zeros((num_reqs,), dtype=torch.int64)
         q_full = None
         # [R, H]: each request's latest hidden state, for drafters whose next pass reads it.
         hidden_by_req = head_in.clone() if self.feeds_hidden else None
         live = torch.arange(num_reqs)  # host indices of the requests still drafting
+        dev_live = live.to(device)
         if caps is not None and not bool(caps.all()):
             # Cost control planned zero tokens for some requests: the drafter does no
             # work for them (not even their first token's logits); nobody: no work at all.
@@ -232,29 +240,39 @@ class ChainRound:
         while True:
             # Y_{depth+1} is drawn from q_{depth+1} (the first pass's logits at depth 0,
             # else those after feeding Y_depth) and joins the draft of every live request.
+            last = depth + 1 >= k_max
+            stepping = not last and step_needed(rule, depth)
             logits = self.model.compute_logits(lm_in)
             y, probs = draw_draft_tokens(
                 logits, live, draw_greedy, generators, sampling_metadata.temperature,
                 sampling_metadata.top_k, sampling_metadata.top_p,
+                need_probs=keep_q or stepping,
             )
             if q_full is None and keep_q:
                 q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
                                      device=device)
-            tokens[live, depth] = y.to("cpu")
-            lengths[live] = depth + 1
+            tokens[dev_live, depth] = y
+            lengths[dev_live] = depth + 1
             if q_full is not None:
-                q_full[live.to(device), depth] = probs
-            if depth + 1 >= k_max:
+                q_full[dev_live, depth] = probs
+            if last:
                 break
             # Go on (feed Y_{depth+1}) or stop with depth + 1 tokens, per request.
-            dev_live = live.to(device)
-            y_prob = probs.gather(1, y.view(-1, 1)).squeeze(1)
-            new_state, keep = rule.step(
-                state[dev_live], depth, next_token_probs=y_prob, next_probs=probs,
-                hidden=head_in if rule.needs_hidden else None,
-            )
-            state[dev_live] = new_state.to(state.dtype)
-            live = live[keep.to("cpu")]
+            keep = None
+            if stepping:
+                y_prob = probs.gather(1, y.view(-1, 1)).squeeze(1)
+                new_state, keep = rule.step(
+                    state[dev_live], depth, next_token_probs=y_prob, next_probs=probs,
+                    hidden=head_in if rule.needs_hidden else None,
+                )
+                state[dev_live] = new_state.to(state.dtype)
+            fixed = fixed_keep(rule, depth)
+            if fixed is None:
+                # The one read a pass needs: which requests go on (the host builds the
+                # next pass's metadata over them).
+                live = live[keep.to("cpu")]
+            elif not fixed:
+                break
             if live.numel() == 0:
                 break
             depth += 1
@@ -264,12 +282,14 @@ class ChainRound:
             if hidden_by_req is not None:
                 self.feed_hidden(hidden_by_req[dev_live])
             first_fed = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
-            lm_in, head_in = self.read_pass(passes.run(live, tokens[live, :depth], first_fed))
+            lm_in, head_in = self.read_pass(passes.run(live, tokens[dev_live, :depth], first_fed))
             if hidden_by_req is not None:
                 hidden_by_req[dev_live] = head_in
             n_passes += 1
             n_rows += live.numel()
 
+        # The round's one read of its drafts.
+        tokens, lengths = tokens.cpu(), lengths.cpu()
         if caps is not None:
             lengths = torch.minimum(lengths, caps)
             control.end(req_ids, lengths.tolist(), n_passes, n_rows)
@@ -278,7 +298,7 @@ class ChainRound:
             # The runner slices [row, :num_draft] per request: rows past a request's
             # length are never read.
             self._last_draft_probs = q_full
-        return [tokens[r, : int(lengths[r])].tolist() for r in range(num_reqs)]
+        return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
 
 
 class ChainDrafter(ChainRound, SpecxPasses):

@@ -226,6 +226,14 @@ class SpecxDraftModelProposer(SpecxPasses, DraftModelProposer):
     drafters (``adaptive``, ``mtad``)."""
 
 
+def fed_tokens(tails: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
+    """``tails[feed]`` (row-major) with ``feed`` a host bool mask and ``tails`` on the host
+    or the device: a gather at host-computed indices, so drafts that stay on the device
+    are fed without reading them back (a boolean-mask index on a device tensor syncs)."""
+    flat = feed.reshape(-1).nonzero().squeeze(1)
+    return tails.reshape(-1).index_select(0, flat.to(tails.device))
+
+
 class LookaheadPasses:
     """Draft passes over the lookahead slots of chosen requests, for one round.
 
@@ -259,7 +267,8 @@ class LookaheadPasses:
         """One draft forward pass: request ``rows[i]`` is fed ``tails[i, start[i]:]`` at
         positions ``P+1+start[i] .. P+j`` (``j = tails.shape[1]``; the earlier tail tokens'
         KV is already in its slots). Returns the final hidden state after each row's last
-        token, ``[len(rows), H]``. ``rows``, ``tails``, ``start``: CPU int64 tensors.
+        token, ``[len(rows), H]``. ``rows``, ``start``: CPU int64 tensors; ``tails``: int64
+        on the host or the device (the chain round keeps its drafts on the device).
 
         ``rows`` may repeat a request (MTAD feeds several beams of one request in one
         pass); each such row then needs its own KV slots: ``block_table`` ([len(rows), W]
@@ -270,7 +279,7 @@ class LookaheadPasses:
         q_lens = j - start
         cols = torch.arange(j)
         feed = cols.unsqueeze(0) >= start.unsqueeze(1)  # [n, j]
-        token_ids = tails[feed]  # row-major: each request's tokens are contiguous
+        token_ids = fed_tokens(tails, feed)  # row-major: each request's tokens contiguous
         positions = (self.positions_cpu[rows].unsqueeze(1) + 1 + cols.unsqueeze(0))[feed]
         seq_lens = self.base_seq_cpu[rows] + j
         # Near max_model_len: vLLM's drafter clamps and writes nothing out of range;

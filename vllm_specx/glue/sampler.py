@@ -30,7 +30,7 @@ from vllm.v1.sample.rejection_sampler import (
     generate_uniform_probs,
 )
 
-from vllm_specx.algorithms.verify import VerifyBatch
+from vllm_specx.algorithms.verify import VerifyBatch, verify_greedy
 from vllm_specx.backends.base import Backend
 from vllm_specx.methods import METHODS
 
@@ -224,11 +224,19 @@ class SpecxRejectionSampler(RejectionSampler):
         equal probabilities, whose argmax would be the lower index where vLLM's is the
         other, and a greedy request would then differ from no speculation.
         """
+        target_argmax = target_logits.argmax(dim=-1)
+        if sampling_metadata.all_greedy:
+            # Every request greedy (either rule): the verdict reads only the greedy
+            # tokens, so skip the [T, V] softmax, the [B, V] one-hot bonus rows and the
+            # random draws, as vLLM's sampler does for an all-greedy step (same output:
+            # tests/algorithms/test_verify_rules.py).
+            return verify_greedy(metadata.draft_token_ids, metadata.cu_num_draft_tokens,
+                                 target_argmax, bonus_token_ids,
+                                 metadata.max_spec_len).to(torch.int32)
         num_draft_tokens: list[int] = list(metadata.num_draft_tokens)
         batch_size = len(num_draft_tokens)
         num_tokens, vocab_size = target_logits.shape
         device = target_logits.device
-        target_argmax = target_logits.argmax(dim=-1)
         target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
 
         if sampling_metadata.all_greedy:

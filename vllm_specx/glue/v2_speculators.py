@@ -52,7 +52,7 @@ from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappin
 from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
 from vllm_specx.glue.chain_drafter import ChainRound
-from vllm_specx.glue.draft_passes import RoundStart
+from vllm_specx.glue.draft_passes import RoundStart, fed_tokens
 from vllm_specx.glue.mtad_proposer import MTADRound
 
 # vLLM's slot id for "write no KV" (vllm.v1.worker.gpu.block_table's PAD_SLOT_ID).
@@ -117,7 +117,7 @@ class V2LookaheadPasses:
         q_lens = j - start
         cols = torch.arange(j)
         feed = cols.unsqueeze(0) >= start.unsqueeze(1)
-        token_ids = tails[feed]
+        token_ids = fed_tokens(tails, feed)
         positions = (self.positions_cpu[rows].unsqueeze(1) + 1 + cols.unsqueeze(0))[feed]
         seq_lens = self.base_seq_cpu[rows] + j
         # Near max_model_len (as V1's drafter): clamp, write nothing out of range.
