@@ -75,6 +75,15 @@ def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
             f"allowed for method '{settings['method']}' on {where}: tree verification runs "
             "on vLLM's V1 model runner on CPU with vllm-specx's CPU attention only."
         )
+    window = runner.model_config.get_sliding_window()
+    if window:
+        # A node's RoPE position (ctx + depth) is not its KV slot (ctx + 1 + index): a
+        # window counted over slots would cut the wrong keys.
+        raise SpecxConfigError(
+            f'speculative_config["draft_tree"] = {settings.get("draft_tree")!r} is not '
+            f"allowed for method '{settings['method']}' with a sliding-window target "
+            f"(window {window}): tree attention is implemented for full attention only."
+        )
     state = TreeState()
     runner.specx_tree_state = state
     runner.drafter.tree_state = state
