@@ -110,6 +110,56 @@ def test_adaptive_scheduler_receives_the_ragged_lengths_on_v2(adaptive_run):
     assert sum(int(n) * c for n, c in histogram.items()) == sum(lengths)
 
 
+def run_cost_controlled(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
+                        ) -> dict[str, Any]:
+    """Runs in the V2 host: :func:`run_recorded` with the speculator's cost control on, a
+    fixed cost model and scripted acceptance (request ``i`` looks good on the steps where
+    ``(step + i) % 3 == 0``, every request hopeless on each fourth step), so lengths
+    change step to step, with steps where some or all requests draft zero, whatever the
+    timing."""
+    import numpy as np
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.testing.v2_engine import runner_of
+
+    speculator = runner_of(llm).speculator
+    speculator.settings["cost_control"] = True
+    control = speculator.cost_control(ADAPTIVE_K)
+    control.fixed_costs = StepCosts(1.0, 0.02, 0.02, 0.02, 0.01)
+    control.history.probe_interval = 10**9
+    step = 0
+
+    def rates(req_ids: list[str]) -> Any:
+        nonlocal step
+        step += 1
+        out = np.full((len(req_ids), ADAPTIVE_K), 0.02)
+        for row, rid in enumerate(req_ids):
+            if step % 4 != 3 and (step + int(rid.rsplit("-", 1)[0])) % 3 == 0:
+                out[row] = 0.95
+        return out
+
+    control.history.rates = rates
+    try:
+        return run_recorded(llm, prompts, samplings)
+    finally:
+        speculator.settings["cost_control"] = False
+
+
+def test_adaptive_cost_control_on_v2(adaptive_run, v2_engine, v2_host, v2_reference):
+    """Cost control on V2 (the same round as V1): greedy output equals no speculation
+    while lengths change step to step, zeros included, and the scheduler receives each
+    request's real length (zero: no draft)."""
+    run = v2_host.call("adaptive", f"{__name__}:run_cost_controlled", *_ragged_requests())
+    expected = [v2_reference[1]] * 5 + [ref[:n] for ref in v2_reference for n in OUTPUT_LENGTHS]
+    assert run["outputs"] == expected
+    drafted, received = run["drafted"], run["received"]
+    assert all(got == lengths for got, lengths in zip(received, drafted) if lengths)
+    steps = [step for step in drafted if len(step) > 1]
+    assert any(not any(step.values()) for step in steps)  # nobody drafts
+    assert any(0 in step.values() and any(step.values()) for step in steps)  # some do
+    assert run["stats"]["cost_control"]["all_zero_steps"] > 0
+
+
 @pytest.fixture(scope="module")
 def mtad_run(v2_engine, v2_host) -> dict[str, Any]:
     description = v2_engine("mtad", speculative_config=MTAD)
