@@ -26,20 +26,30 @@ import time
 from typing import Any
 
 
+def _fixed(method: str) -> dict[str, Any]:
+    """Settings that keep a specx method at exactly the drafts asked for: its cost control
+    (which may draft fewer, or none) off, where the method has that knob."""
+    from vllm_specx.methods import METHODS
+
+    names = {knob.name for knob in METHODS[method].knobs}
+    return {"cost_control": False} if "cost_control" in names else {}
+
+
 def _configs(pair_draft: str, k: int, eagle3: str | None) -> list[tuple[str, dict[str, Any]]]:
     if eagle3 is not None:
         return [
             (f"eagle3 K={k}", {"method": "eagle3", "model": eagle3, "num_speculative_tokens": k}),
             (f"specx_eagle3 K={k}", {"method": "specx_eagle3", "model": eagle3,
-                                     "num_speculative_tokens": k}),
+                                     "num_speculative_tokens": k, **_fixed("specx_eagle3")}),
         ]
     return [
         (f"draft_model K={k}", {"method": "draft_model", "model": pair_draft,
                                 "num_speculative_tokens": k}),
         (f"adaptive min=max={k}", {"method": "adaptive", "model": pair_draft,
-                                   "num_speculative_tokens": k, "min_speculative_tokens": k}),
+                                   "num_speculative_tokens": k, "min_speculative_tokens": k,
+                                   **_fixed("adaptive")}),
         (f"mtad B=1 K={k}", {"method": "mtad", "model": pair_draft, "num_speculative_tokens": k,
-                             "num_beams": 1}),
+                             "num_beams": 1, **_fixed("mtad")}),
     ]
 
 

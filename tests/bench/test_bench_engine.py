@@ -1,6 +1,6 @@
 """``vllm-specx bench`` end to end on the real engine: tiny random models, 2 prompts x 8
-tokens, baseline + ngram + draft_model (3 engine starts). One run per module; the tests
-read its outputs."""
+tokens, baseline + ngram + draft_model + baseline again (4 engine starts). One run per
+module; the tests read its outputs."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_exit_code_and_every_key(bench_run):
     rc, _, report, _ = bench_run
     assert rc == 0
     assert [c["name"] for c in report["configs"]] == [
-        "baseline", NGRAM, "draft K=3"]
+        "baseline", NGRAM, "draft K=3", "baseline (after)"]
     for cfg in report["configs"]:
         assert "error" not in cfg
         for key, typ in REQUIRED_KEYS.items():
@@ -80,15 +80,63 @@ def test_exit_code_and_every_key(bench_run):
 
 def test_cpu_time_throughput(bench_run):
     # In-process engines: the CPU seconds of the generation are counted and turned into
-    # tokens per CPU second and a speed-up against the baseline's.
+    # tokens per CPU second and a speed-up against the baseline's (the mean of its runs).
     _, _, report, _ = bench_run
-    base = report["configs"][0]
+    before, after = report["configs"][0], report["configs"][-1]
+    mean = (before["tokens_per_cpu_s"] + after["tokens_per_cpu_s"]) / 2
+    assert report["baseline"]["tokens_per_cpu_s"] == pytest.approx(mean)
     for cfg in report["configs"]:
         assert cfg["cpu_s"] > 0
         assert cfg["tokens_per_cpu_s"] == pytest.approx(cfg["generated_tokens"] / cfg["cpu_s"])
-        assert cfg["cpu_speedup"] == pytest.approx(
-            cfg["tokens_per_cpu_s"] / base["tokens_per_cpu_s"])
-    assert base["cpu_speedup"] == pytest.approx(1.0)
+        assert cfg["cpu_speedup"] == pytest.approx(cfg["tokens_per_cpu_s"] / mean)
+
+
+def test_baseline_is_measured_before_and_after_with_its_spread(bench_run):
+    # Order cannot favour a row: no speculation runs first and last, every speed-up is
+    # against the mean of the two, and the spread between them is reported and printed.
+    _, out, report, _ = bench_run
+    before, after = report["configs"][0], report["configs"][-1]
+    assert before["method"] == after["method"] == "none"
+    assert after["generated_tokens"] == before["generated_tokens"]
+    assert after["matches_baseline"] == 1.0  # greedy: the same tokens both times
+    runs = report["baseline"]["runs"]
+    assert [r["tokens_per_s"] for r in runs] == pytest.approx(
+        [before["tokens_per_s"], after["tokens_per_s"]])
+    mean = sum(r["tokens_per_s"] for r in runs) / 2
+    assert report["baseline"]["tokens_per_s"] == pytest.approx(mean)
+    assert report["baseline"]["spread"] == pytest.approx(
+        abs(runs[0]["tokens_per_s"] - runs[1]["tokens_per_s"]) / mean)
+    for cfg in report["configs"]:
+        assert cfg["measured_speedup"] == pytest.approx(cfg["tokens_per_s"] / mean)
+    verdict_line = out.with_name("report.md").read_text().splitlines()[0]
+    assert f"spread {100 * report['baseline']['spread']:.1f}%" in verdict_line
+    for r in runs:
+        assert f"{r['tokens_per_s']:.1f}" in verdict_line
+
+
+def test_warm_up_is_not_counted(bench_run):
+    # Every engine generated a warm-up (every prompt, min(16, max_tokens) tokens) before
+    # its timed run: none of it is in the traces, the timed step counts or vLLM's
+    # counters over the timed interval.
+    _, _, report, _ = bench_run
+    for cfg in report["configs"]:
+        assert cfg["generated_tokens"] == len(PROMPTS) * MAX_TOKENS
+        assert cfg["vllm_counters"]["generation_tokens"] == len(PROMPTS) * MAX_TOKENS
+    # The baseline decodes one token per request per step: its timed target forwards
+    # are one per decode step, plus prefill (a counted warm-up would add 8 more).
+    assert report["configs"][0]["forward_timing"]["target"]["calls"] <= (
+        MAX_TOKENS + len(PROMPTS))
+
+
+def test_the_verdict_names_the_cpu_class_and_dtype(bench_run):
+    from vllm_specx.cpu_host import CPU_CLASSES, describe
+
+    _, out, report, _ = bench_run
+    dtype = report["engine"]["dtype"]
+    assert report["platform"]["cpu_class"] == describe(dtype)
+    assert report["platform"]["cpu_class"].split(" ")[0] in CPU_CLASSES
+    verdict_line = out.with_name("report.md").read_text().splitlines()[0]
+    assert f"measured on {describe(dtype)}" in verdict_line
 
 
 def test_top_level_provenance(bench_run):

@@ -2,7 +2,11 @@
 
 One engine per run, started and shut down in turn: first the target without speculation
 (the baseline row, the reference outputs and t_target), then each speculative
-configuration (its row and its own t_draft).
+configuration (its row and its own t_draft), then the target without speculation again
+(the ``baseline (after)`` row). Every engine is warmed up before it is timed
+(``engine_run.run_config``), and every speed-up is against the mean of the two baseline
+runs, whose spread the report and the verdict give (:data:`BASELINE_METHOD`): a cold
+first engine, or a machine that got busier during the run, then favours no row.
 
 Per-forward costs are measured inside those runs: hooks time every ``forward`` and
 ``compute_logits`` call of the target and of the drafter's model (see
@@ -55,6 +59,13 @@ FALLBACK_COST_METHOD = (
     "baseline's full-batch decode engine steps, engine overhead included"
 )
 
+BASELINE_METHOD = (
+    "every engine is warmed up first (every prompt, up to 16 tokens each, the run's own "
+    "sampling; not counted); no speculation runs twice, first and last, and each "
+    "configuration's wall-clock and CPU-time speed-ups are against the mean of those two "
+    "runs; spread = (max - min) / mean of their tokens/s"
+)
+
 FORMULAS = {
     "verification_rate": "target_forward_passes / generated_tokens",
     "discard_rate": "(drafted_tokens - emitted_draft_tokens) / generated_tokens, "
@@ -70,8 +81,10 @@ FORMULAS = {
     "verification_steps x (draft-model forwards / drafting rounds, both counted by hooks); "
     "else drafted_tokens",
     "projected_tokens_per_s": "baseline tokens_per_s * projected_speedup",
-    "measured_speedup": "tokens_per_s / baseline tokens_per_s",
-    "cpu_speedup": "tokens_per_cpu_s / baseline tokens_per_cpu_s; tokens_per_cpu_s = generated "
+    "measured_speedup": "tokens_per_s / baseline tokens_per_s (the mean of the baseline's "
+    "runs before and after the configurations)",
+    "cpu_speedup": "tokens_per_cpu_s / baseline tokens_per_cpu_s (mean of its two runs); "
+    "tokens_per_cpu_s = generated "
     "tokens / CPU seconds of this process during generation (in-process engines only, else "
     "null): unlike wall clock, it does not count waiting for a core on a shared machine",
     "model_time_speedup": "(baseline model seconds / its generated tokens) / (this run's "
@@ -195,7 +208,7 @@ def _entry(
     t_target: float | None,
     t_draft: float | None,
     baseline: RunResult | None,
-    baseline_tps: float | None,
+    baseline_rate: BaselineRate | None,
     baseline_model_s: float | None,
 ) -> dict[str, Any]:
     drafter = DrafterStats.from_mapping(run.drafter_stats)
@@ -211,7 +224,7 @@ def _entry(
         t_target=t_target,
         t_draft=t_draft,
         wall_s=run.wall_s,
-        baseline_tokens_per_s=baseline_tps,
+        baseline_tokens_per_s=baseline_rate.tokens_per_s if baseline_rate else None,
     )
     if config is None:
         method = "none"
@@ -256,7 +269,7 @@ def _entry(
                                "note": run.forward_times_note},
             "cpu_s": run.cpu_s,
             "tokens_per_cpu_s": _ratio_or_none(n, run.cpu_s),
-            "cpu_speedup": _cpu_speedup(run, n, baseline),
+            "cpu_speedup": _cpu_speedup(run, n, baseline_rate),
             "energy_j": run.energy_j,
             "energy_per_token_j": (run.energy_j / n if run.energy_j is not None and n else None),
             "engine_start_s": run.engine_start_s,
@@ -292,6 +305,44 @@ def _error_entry(name: str, config: dict[str, Any], platform_desc: str, exc: Exc
     }
 
 
+BASELINE_AFTER = "baseline (after)"
+
+
+@dataclass(frozen=True)
+class BaselineRate:
+    """No speculation's rate, from its runs before and after the configurations."""
+
+    tokens_per_s: float
+    tokens_per_cpu_s: float | None
+    runs: list[dict[str, Any]]
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / mean of the runs' tokens/s: how far order and warm-up moved it."""
+        rates = [r["tokens_per_s"] for r in self.runs]
+        return (max(rates) - min(rates)) / self.tokens_per_s if self.tokens_per_s else 0.0
+
+
+def baseline_rate(runs: list[RunResult]) -> BaselineRate:
+    """The mean tokens/s (and tokens per CPU second) of the baseline's runs: every
+    configuration is compared with the mean of a run before it and a run after it, so
+    neither a cold first engine nor a machine that got busier favours a row."""
+    described = []
+    for i, run in enumerate(runs):
+        n = sum(sum(t.step_tokens) for t in run.traces)
+        described.append({
+            "when": "before the configurations" if i == 0 else "after the configurations",
+            "tokens_per_s": n / run.wall_s,
+            "tokens_per_cpu_s": _ratio_or_none(n, run.cpu_s),
+            "wall_s": run.wall_s,
+            "cpu_s": run.cpu_s,
+        })
+    tps = sum(r["tokens_per_s"] for r in described) / len(described)
+    cpu_rates = [r["tokens_per_cpu_s"] for r in described]
+    cpu_tps = sum(cpu_rates) / len(cpu_rates) if all(cpu_rates) else None
+    return BaselineRate(tps, cpu_tps, described)
+
+
 def run_benchmark(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run everything and return the report dict (see the module doc for the order)."""
     energy = EnergyMeter()
@@ -303,20 +354,17 @@ def run_benchmark(opts: BenchOptions, log: Callable[[str], None] = print) -> dic
         log(f"[bench] baseline: {opts.target} without speculation, {len(prompts)} prompts")
         baseline = run_config(opts.target, None, prompts, opts.sampling, desc="baseline", **common)
         plat = platform_info(energy)
+        plat["cpu_class"] = _cpu_class(plat, opts.engine_overrides)
         base_times = (baseline.forward_times or {}).get("target")
         target_cost = {"source": "forward timers", **forward_time_stats(base_times)}
         if target_cost["seconds"] is None:
             target_cost = {"source": FALLBACK_COST_METHOD, **forward_cost(baseline.steps)}
         t_target = target_cost["seconds"]
         baseline_model_s = forward_time_stats(base_times)["total_s"] or None
-        baseline_tps = sum(sum(t.step_tokens) for t in baseline.traces) / baseline.wall_s
-        log(f"[bench]   {baseline_tps:.1f} tok/s; t_target = {_f(t_target, 6)} s per forward")
+        first_tps = sum(sum(t.step_tokens) for t in baseline.traces) / baseline.wall_s
+        log(f"[bench]   {first_tps:.1f} tok/s; t_target = {_f(t_target, 6)} s per forward")
 
-        entries = [
-            _entry("baseline", None, baseline, platform_desc=plat["description"],
-                   t_target=t_target, t_draft=0.0, baseline=baseline,
-                   baseline_tps=baseline_tps, baseline_model_s=baseline_model_s)
-        ]
+        runs: list[tuple[str, dict[str, Any], RunResult | Exception]] = []
         draft_costs: dict[str, Any] = {}
         for name, cfg in opts.configs:
             log(f"[bench] {name}: {json.dumps(cfg)}")
@@ -327,24 +375,46 @@ def run_benchmark(opts: BenchOptions, log: Callable[[str], None] = print) -> dic
                 )
             except Exception as exc:  # noqa: BLE001 - report it, run the other configs
                 log(f"[bench]   failed: {type(exc).__name__}: {exc}")
-                entries.append(_error_entry(name, cfg, plat["description"], exc))
+                runs.append((name, cfg, exc))
+                continue
+            runs.append((name, cfg, run))
+        # No speculation again, after every configuration: the speed-ups are against the
+        # mean of both runs, and their spread is reported (docs/performance.md).
+        log(f"[bench] {BASELINE_AFTER}: {opts.target} without speculation again")
+        after = run_config(opts.target, None, prompts, opts.sampling, desc=BASELINE_AFTER,
+                           **common)
+        rate = baseline_rate([baseline, after])
+        log(f"[bench]   {rate.runs[1]['tokens_per_s']:.1f} tok/s; baseline spread "
+            f"{100 * rate.spread:.1f}% (speed-ups are against the mean, "
+            f"{rate.tokens_per_s:.1f} tok/s)")
+
+        def entry(name: str, cfg: dict[str, Any] | None, run: RunResult,
+                  t_draft: float | None) -> dict[str, Any]:
+            return _entry(name, cfg, run, platform_desc=plat["description"],
+                          t_target=t_target, t_draft=t_draft, baseline=baseline,
+                          baseline_rate=rate, baseline_model_s=baseline_model_s)
+
+        entries = [entry("baseline", None, baseline, 0.0)]
+        for name, cfg, result in runs:
+            if isinstance(result, Exception):
+                entries.append(_error_entry(name, cfg, plat["description"], result))
                 continue
             if is_model_free(cfg):
                 t_draft: float | None = 0.0
                 draft_costs[name] = {"seconds": 0.0, "source": "model-free drafter"}
             else:
-                stats = forward_time_stats((run.forward_times or {}).get("draft"))
+                stats = forward_time_stats((result.forward_times or {}).get("draft"))
                 t_draft = stats["seconds"]
                 draft_costs[name] = {"model": cfg.get("model"), "source": "forward timers",
                                      **stats}
-            entry = _entry(name, cfg, run, platform_desc=plat["description"], t_target=t_target,
-                           t_draft=t_draft, baseline=baseline, baseline_tps=baseline_tps,
-                           baseline_model_s=baseline_model_s)
-            entries.append(entry)
+            row = entry(name, cfg, result, t_draft)
+            entries.append(row)
             log(
-                f"[bench]   block efficiency {_f(entry['block_efficiency'])}, t_draft "
-                f"{_f(t_draft, 6)} s, projected speed-up {_f(entry['projected_speedup'])}"
+                f"[bench]   {name}: block efficiency {_f(row['block_efficiency'])}, t_draft "
+                f"{_f(t_draft, 6)} s, projected speed-up {_f(row['projected_speedup'])}, "
+                f"wall {_f(row['measured_speedup'])}x, CPU time {_f(row['cpu_speedup'])}x"
             )
+        entries.append(entry(BASELINE_AFTER, None, after, 0.0))
     finally:
         energy.close()
 
@@ -368,6 +438,13 @@ def run_benchmark(opts: BenchOptions, log: Callable[[str], None] = print) -> dic
             "drafts": draft_costs,
         },
         "formulas": FORMULAS,
+        "baseline": {
+            "method": BASELINE_METHOD,
+            "tokens_per_s": rate.tokens_per_s,
+            "tokens_per_cpu_s": rate.tokens_per_cpu_s,
+            "spread": rate.spread,
+            "runs": rate.runs,
+        },
         "configs": entries,
     }
 
@@ -409,10 +486,21 @@ def _ratio_or_none(num: float, den: float | None) -> float | None:
     return num / den if den else None
 
 
-def _cpu_speedup(run: RunResult, n: int, baseline: RunResult | None) -> float | None:
-    """Tokens per CPU second against the baseline's: the speed-up a machine with idle
-    cores would show, read off a shared one (in-process engines only)."""
-    if baseline is None or not baseline.cpu_s or not run.cpu_s or not n:
+def _cpu_speedup(run: RunResult, n: int, rate: BaselineRate | None) -> float | None:
+    """Tokens per CPU second against the baseline's (the mean of its runs): the speed-up
+    a machine with idle cores would show, read off a shared one (in-process engines
+    only)."""
+    if rate is None or not rate.tokens_per_cpu_s or not run.cpu_s or not n:
         return None
-    base_n = sum(sum(t.step_tokens) for t in baseline.traces)
-    return (n / run.cpu_s) / (base_n / baseline.cpu_s)
+    return (n / run.cpu_s) / rate.tokens_per_cpu_s
+
+
+def _cpu_class(plat: dict[str, Any], overrides: dict[str, Any]) -> str | None:
+    """The CPU class and dtype the numbers were measured on (``cpu_host.describe``:
+    AVX2 / AVX-512 / AVX512-BF16 / AMX), or None off the CPU platform."""
+    if plat.get("device_type") != "cpu":
+        return None
+    from vllm_specx.cpu_host import describe
+    from vllm_specx.engine import engine_kwargs
+
+    return describe(str(engine_kwargs(**overrides).get("dtype")))

@@ -4,8 +4,9 @@ One engine per configuration (started with the CPU-friendly defaults of
 :mod:`vllm_specx.engine`, which are valid on any platform, plus the user's
 ``--engine-args``). Each run:
 
-1. warms the engine up with one short request (first-call allocations and lazy set-up
-   stay out of the timings and counters);
+1. warms the engine up with every prompt, up to :data:`WARMUP_TOKENS` tokens each and
+   the run's own sampling (first-call allocations, oneDNN primitives for the batch shapes
+   the run meets and lazy set-up stay out of the timings and counters);
 2. submits every prompt at once and drives ``LLMEngine.step()`` itself, with
    ``RequestOutputKind.DELTA`` outputs: one ``step()`` returns the outputs of one engine
    step, i.e. of one target forward, so the tokens each request received in each step are
@@ -49,6 +50,8 @@ SPEC_COUNTERS = (
 )
 
 INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+# Tokens per prompt of the untimed warm-up generation every engine runs first.
+WARMUP_TOKENS = 16
 
 
 @dataclass
@@ -513,11 +516,16 @@ def run_config(
     engine_start_s = time.perf_counter() - t0
     try:
         resolved = resolved_speculative_config(llm)
+        # Warm-up, not counted: every prompt together with the run's own sampling, so the
+        # batch shapes, prefill chunks and sampler paths the timed run meets have met
+        # their first-call costs (allocations, oneDNN primitives, lazy set-up) here.
         warm = _sampling_params(
-            Sampling(0.0, 0, 1.0, min(4, sampling.max_tokens), sampling.seed), sampling.seed,
-            delta=False,
+            Sampling(sampling.temperature, sampling.top_k, sampling.top_p,
+                     min(WARMUP_TOKENS, sampling.max_tokens), sampling.seed,
+                     sampling.ignore_eos),
+            sampling.seed, delta=False,
         )
-        llm.generate(prompts[:1], warm, use_tqdm=False)
+        llm.generate(prompts, warm, use_tqdm=False)
         if _in_process(llm):
             _align_numba_threads()  # again: the warm-up may have run the ngram proposer
         counters_before = read_counters(llm)

@@ -84,7 +84,10 @@ def verdict(report: dict[str, Any]) -> str:
     if not spec:
         return "**verdict:** no speculative configuration finished with a wall-clock time"
     fastest = max(spec, key=lambda c: c["measured_speedup"])
-    base_tps = _num((base or {}).get("tokens_per_s"))
+    baseline = report.get("baseline") or {}
+    base_tps = _num(baseline.get("tokens_per_s"))
+    if base_tps is None:
+        base_tps = _num((base or {}).get("tokens_per_s"))
     base_text = f" ({base_tps:.1f} tok/s without)" if base_tps is not None else ""
     if fastest["measured_speedup"] > 1.0:
         first = f"fastest: {_speedup_phrase(fastest)} wall clock vs no speculation{base_text}"
@@ -113,7 +116,28 @@ def verdict(report: dict[str, Any]) -> str:
         else:
             third = (f"greedy output equals no speculation for all {len(checked)} lossless "
                      "configurations")
-    return f"**verdict:** {first}; {second}; {third}"
+    return f"**verdict:** {first}; {second}; {third}{_measured_on(report)}"
+
+
+def _measured_on(report: dict[str, Any]) -> str:
+    """"; measured on <CPU class, dtype>; baseline ... (spread ...)" for the verdict: a
+    speed-up means little without the machine class and how much no speculation itself
+    moved between its runs before and after the configurations."""
+    parts = []
+    plat = report.get("platform", {})
+    where = plat.get("cpu_class") or (plat.get("device_name") if plat else None)
+    if where:
+        dtype = report.get("engine", {}).get("dtype")
+        parts.append(f"measured on {where}" + (
+            f", {dtype}" if dtype and not plat.get("cpu_class") else ""))
+    baseline = report.get("baseline") or {}
+    runs = [r for r in baseline.get("runs", []) if _num(r.get("tokens_per_s")) is not None]
+    if len(runs) > 1:
+        rates = " and ".join(f"{r['tokens_per_s']:.1f}" for r in runs)
+        parts.append(f"no speculation {rates} tok/s before and after the configurations "
+                     f"(spread {100 * float(baseline.get('spread') or 0.0):.1f}%; "
+                     "speed-ups against their mean)")
+    return "".join(f"; {p}" for p in parts)
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -159,6 +183,13 @@ def markdown_table(report: dict[str, Any]) -> str:
         + f" ({costs.get('method', '')})",
         f"- {report.get('formulas', {}).get('projected_speedup', '')}",
     ]
+    baseline = report.get("baseline") or {}
+    if baseline.get("runs"):
+        runs = "; ".join(f"{_fmt(r.get('tokens_per_s'), 1)} tok/s {r.get('when', '')}"
+                         for r in baseline["runs"])
+        spread = _fmt(100 * (baseline.get("spread") or 0), 1)
+        notes.append(f"- no speculation: {runs}; spread {spread}% "
+                     f"({baseline.get('method', '')})")
     for cfg in report.get("configs", []):
         control = (cfg.get("drafter_stats") or {}).get("cost_control")
         if control:
