@@ -70,3 +70,18 @@ def test_control_learns_acceptance_and_plans_zero_for_failing_drafts():
         control.end(ids, [4, 4], 3, 6)  # as if both had drafted 4
     assert plan.caps.tolist()[0] > 0 and plan.caps.tolist()[1] == 0
     assert control.describe()["partial_zero_steps"] > 0
+
+
+def test_bench_report_prints_the_cost_model():
+    from vllm_specx.bench.report import markdown_table
+
+    clock = Clock()
+    control = CostControl(4)
+    control.costs = MeasuredCosts(clock)
+    control.costs.round_ends(False, 0, 0)
+    _steps(control.costs, clock, 20, np.random.default_rng(1))
+    report = {"configs": [{"name": "adaptive cc", "method": "adaptive",
+                           "drafter_stats": {"cost_control": control.describe()}}]}
+    table = markdown_table(report)
+    line = next(x for x in table.splitlines() if x.startswith("- cost control of adaptive cc"))
+    assert "ms per draft token verified" in line and "measured online, 20 steps" in line
