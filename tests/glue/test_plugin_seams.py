@@ -281,3 +281,42 @@ def test_version_gate_bypass(monkeypatch):
 # `vllm serve` with a specx method serving completions on loopback: tests/load starts one
 # such server per method (with no user import) and checks the translation, the greedy
 # outputs and vLLM's spec-decode counters; a second mtad server here cost ~40 s.
+
+
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_the_runner_line_names_the_runner_vllm_chooses(model_dir, monkeypatch, env):
+    """Issue 36 item 3: the front end used to log "... on Model Runner V2" even when
+    VLLM_USE_V2_MODEL_RUNNER=0 (or a CPU without Triton) made vLLM build V1. The line
+    now names the runner VllmConfig.use_v2_model_runner chooses."""
+    import logging
+
+    from vllm.triton_utils import HAS_TRITON
+
+    if env == "1" and not HAS_TRITON:
+        pytest.skip("vLLM itself refuses Model Runner V2 without Triton")
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.specx")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        cfg = engine_config(model_dir, {"method": "adaptive", "model": model_dir,
+                                        "num_speculative_tokens": 2})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    announced = [line for line in lines if "on Model Runner" in line]
+    assert len(announced) == 1, lines
+    runner = "V2" if cfg.use_v2_model_runner else "V1"
+    assert f"adaptive on Model Runner {runner}" in announced[0], (announced, runner)
+    if env == "0":
+        assert runner == "V1" and "VLLM_USE_V2_MODEL_RUNNER=0" in announced[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, get_args
 
 from vllm_specx.config import (
@@ -162,6 +163,36 @@ V2_CUDAGRAPH_DECLARATION: dict[str, str] = {
 }
 
 
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def runner_announcement(method: str, v1_reason: str | None) -> str:
+    """The line logged before start: the model runner the method will run on, as vLLM
+    chooses it (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when
+    set, else V1 for a method or setting that runs on V1 only (this plugin adds it to
+    vLLM's V2 opt-out list) or without Triton (the CPU wheel), else V2 unless vLLM finds
+    another feature V2 lacks (vLLM then logs which, and the runner's own line,
+    ``runner_hook.install_specx_components``, says V1)."""
+    from vllm_specx.envflags import parse_flag
+
+    value = os.environ.get(V2_RUNNER_ENV, "").strip()
+    forced = parse_flag(V2_RUNNER_ENV, value) if value else None
+    if forced is False:
+        return f"vllm-specx: {method} on Model Runner V1 ({V2_RUNNER_ENV}={value})"
+    if v1_reason is not None:
+        return f"vllm-specx: {method} on Model Runner V1 (it runs on V1 only: {v1_reason})"
+    declaration = V2_CUDAGRAPH_DECLARATION[METHODS[method].v2_cudagraph]
+    if forced:
+        return f"vllm-specx: {method} on Model Runner V2 ({V2_RUNNER_ENV}={value}): {declaration}"
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return (f"vllm-specx: {method} on Model Runner V1 (vLLM's choice: Model Runner V2 "
+                "needs Triton)")
+    return (f"vllm-specx: {method} on Model Runner V2 (vLLM's default; V1 if vLLM finds a "
+            f"feature V2 lacks, which it logs): {declaration}")
+
+
 class SpeculativeConfigTranslation(VllmPatch):
     name = "speculative_config_translation"
     target = "vllm.engine.arg_utils:EngineArgs.create_speculative_config"
@@ -222,10 +253,8 @@ class SpeculativeConfigTranslation(VllmPatch):
                     f'speculative_config["method"] = "{method}" runs on vLLM\'s V1 model '
                     f"runner only ({v1_reason}): unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
-            if v1_reason is None:
-                # README "Which model runner": CUDA graphs on V2, declared before start.
-                logger.info("vllm-specx: %s on Model Runner V2: %s", method,
-                            V2_CUDAGRAPH_DECLARATION[METHODS[method].v2_cudagraph])
+            # README "Which model runner": the runner, and CUDA graphs on V2, before start.
+            logger.info("%s", runner_announcement(method, v1_reason))
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings,
                                result.vllm_speculative_config.get("model"))

@@ -53,9 +53,9 @@ def install_specx_components(runner: Any, settings: dict[str, Any]) -> None:
     )
     if tree_on(settings):
         _install_tree_state(runner, settings)
-    logger.info("vllm-specx: %s drafter %s, sampler rule %r on the %s backend (%s)",
-                method, type(runner.drafter).__name__, runner.rejection_sampler.rule,
-                backend.name, backend.kernel_impl)
+    logger.info("vllm-specx: %s on Model Runner V1: drafter %s, sampler rule %r on the %s "
+                "backend (%s)", method, type(runner.drafter).__name__,
+                runner.rejection_sampler.rule, backend.name, backend.kernel_impl)
 
 
 def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
