@@ -344,6 +344,21 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 ("vllm_specx/glue/eagle_chain_proposer.py",),
                 "the EAGLE-3 head's fc over the target's auxiliary hidden states, applied "
                 "before the first pass as vLLM's propose does"),
+    # --- draft trees on the V1 runner (glue/tree_step.py) ---------------------------------
+    PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "positions",
+                "instance attribute", ("vllm_specx/glue/tree_step.py",),
+                "the step's positions buffer: tree nodes get ctx + depth before the target "
+                "forward, chain positions again before the drafter's first pass"),
+    PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "input_ids",
+                "instance attribute", ("vllm_specx/glue/tree_step.py",),
+                "the step's input ids, rewritten in chain layout after verification"),
+    PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "query_start_loc",
+                "instance attribute", ("vllm_specx/glue/tree_step.py",),
+                "where each request's query tokens start in the step"),
+    PrivateName("vllm.v1.worker.block_table:BlockTable", "slot_mapping",
+                "instance attribute", ("vllm_specx/glue/tree_step.py",),
+                "the step's KV slot of every query token (the compaction's sources and "
+                "destinations)"),
     # --- the runner hook ------------------------------------------------------------------
     PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "drafter",
                 "instance attribute", ("vllm_specx/glue/runner_hook.py",),
