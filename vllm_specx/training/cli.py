@@ -265,6 +265,14 @@ def _add_data_stage_arguments(p: argparse.ArgumentParser, d: Any) -> None:
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
                    help="fraction of the prompts held out for REPORT.json (default: "
                    "%(default)s; at least one prompt)")
+    p.add_argument("--heldout-prompts", type=Path, default=None, metavar="FILE.jsonl",
+                   help="held-out prompts of their own for REPORT.json, instead of a "
+                   "--heldout-fraction of --prompts (every --prompts prompt then trains; a "
+                   "prompt in both files is refused)")
+    p.add_argument("--data-shard-prompts", type=int, default=d.data_shard_prompts,
+                   help="prompts per data shard: the target's answers are saved shard by "
+                   "shard in the work directory, and a killed data stage resumes from its "
+                   "last complete shard (default: %(default)s)")
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, d: Any) -> None:
@@ -280,10 +288,29 @@ def _add_run_arguments(p: argparse.ArgumentParser, d: Any) -> None:
     p.add_argument("--autocast", choices=AUTOCAST_MODES, default=d.autocast,
                    help="bf16 autocast of the training forward: auto = on where the CPU has "
                    "native bf16 (AMX/AVX512-BF16) (default: %(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default=d.device,
+                   help="where training (and distill-eagle3's features) run: cuda needs a "
+                   "CUDA device torch can see, auto takes one when there is one; the vLLM "
+                   "engines pick their own platform (default: %(default)s)")
     p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
                    help="extra vllm.LLM keyword arguments for the engines, e.g. "
                    "'{\"max_model_len\": 2048}' (defaults: vllm_specx.engine.CPU_ENGINE_DEFAULTS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _heldout_or_device_error(command: str, args: argparse.Namespace) -> str:
+    """One error line for a missing --heldout-prompts file or a --device this machine does
+    not have (checked before any stage starts), or ""."""
+    from vllm_specx.training.distill import resolve_device
+
+    if args.heldout_prompts is not None and not args.heldout_prompts.is_file():
+        return (f"vllm-specx {command}: --heldout-prompts {args.heldout_prompts}: no such "
+                "file; allowed: a JSONL prompt file")
+    try:
+        resolve_device(args.device)
+    except ValueError as exc:
+        return f"vllm-specx {command}: {exc}"
+    return ""
 
 
 def _refuse_in_one_line(p: argparse.ArgumentParser, command: str) -> None:
@@ -318,6 +345,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if not args.prompts.is_file():
         return refuse(f"vllm-specx distill: --prompts {args.prompts}: no such file; allowed: "
                       "a JSONL prompt file")
+    error = _heldout_or_device_error("distill", args)
+    if error:
+        return refuse(error)
     for corpus in args.corpus or []:
         if not corpus.exists():
             return refuse(f"vllm-specx distill: --corpus {corpus}: no such file or "
@@ -358,6 +388,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         min_lr_ratio=args.min_lr_ratio, embed_init=args.embed_init,
         save_dtype=args.save_dtype, threads=args.threads, autocast=args.autocast,
         max_position_embeddings=args.max_position_embeddings,
+        data_shard_prompts=args.data_shard_prompts, device=args.device,
     )
     try:
         options.check()
@@ -378,7 +409,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     job = DistillJob(
         target=args.target, prompts=args.prompts, out_dir=args.output, init=args.init,
         shape=shape, corpus=args.corpus, work_dir=work, max_prompts=args.num_prompts,
-        engine_args=engine_args,
+        engine_args=engine_args, heldout_prompts=args.heldout_prompts,
         command=" ".join(["vllm-specx", *map(shlex.quote, getattr(args, "argv", []))]),
     )
     try:
@@ -513,6 +544,9 @@ def cmd_distill_eagle3(args: argparse.Namespace) -> int:
     if not args.prompts.is_file():
         return refuse(f"vllm-specx distill-eagle3: --prompts {args.prompts}: no such file; "
                       "allowed: a JSONL prompt file")
+    error = _heldout_or_device_error("distill-eagle3", args)
+    if error:
+        return refuse(error)
     for corpus in args.corpus or []:
         if not corpus.exists():
             return refuse(f"vllm-specx distill-eagle3: --corpus {corpus}: no such file or "
@@ -532,6 +566,7 @@ def cmd_distill_eagle3(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, report_k=tuple(args.report_k),
         report_max_tokens=args.report_max_tokens, save_dtype=args.save_dtype,
         threads=args.threads, autocast=args.autocast,
+        data_shard_prompts=args.data_shard_prompts, device=args.device,
     )
     try:
         options.check()
@@ -546,7 +581,15 @@ def cmd_distill_eagle3(args: argparse.Namespace) -> int:
     job = Eagle3Job(
         target=args.target, prompts=args.prompts, out_dir=args.output, work_dir=work,
         corpus=args.corpus, max_prompts=args.num_prompts, engine_args=engine_args,
+        heldout_prompts=args.heldout_prompts,
         command=" ".join(["vllm-specx", *map(shlex.quote, getattr(args, "argv", []))]),
     )
-    distill_eagle3(job, options, progress=not args.no_progress, stop_after=args.stop_after)
+    try:
+        distill_eagle3(job, options, progress=not args.no_progress, stop_after=args.stop_after)
+    except ValueError as exc:
+        # Problems found once inputs are read (held-out prompts that are also training
+        # prompts): one line, no traceback.
+        if str(exc).startswith("distill"):
+            return refuse(f"vllm-specx {exc}")
+        raise
     return 0

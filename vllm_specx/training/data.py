@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,14 @@ def model_summary(path: str | os.PathLike) -> dict[str, Any]:
     return info
 
 
+# Prompts per data shard: each shard is one engine call of SHARD x temperatures requests,
+# enough to keep vLLM's batch full (max_num_seqs 256 at 4 temperatures) between the saves.
+DEFAULT_SHARD_PROMPTS = 128
+# Generates the outputs of one shard: (prompts, sampling parameters) -> per request
+# (prompt token ids, response token ids).
+ShardGenerator = Callable[[list[str], list[Any]], list[tuple[list[int], list[int]]]]
+
+
 def generate_responses(
     target: str | os.PathLike,
     prompts: list[str],
@@ -100,10 +109,26 @@ def generate_responses(
     seed: int,
     engine_args: dict[str, Any] | None = None,
     quiet: bool = True,
+    shard_dir: str | os.PathLike | None = None,
+    shard_prompts: int = DEFAULT_SHARD_PROMPTS,
+    shard_key: str = "",
+    on_shard: Callable[[int, bool], None] | None = None,
+    generator: ShardGenerator | None = None,
 ) -> list[Response]:
     """Every prompt answered by the target at every temperature (pure temperature sampling,
     no top-k/top-p), in one vLLM engine. Request ``i`` (prompt-major, then temperature) is
-    seeded with ``seed + i``, so the responses are reproducible."""
+    seeded with ``seed + i``, so the responses are reproducible.
+
+    With ``shard_dir`` the work is cut into shards of ``shard_prompts`` prompts, each
+    written as ``shard-NNNNN.pt`` once complete (to a temporary name, then renamed: a killed
+    run leaves no half shard) and tagged with ``shard_key`` (what the responses depend on)
+    and its request range; a later call with the same key loads the complete shards and
+    generates only the others, so a killed run continues from its last complete shard. The
+    seeds stay global (request i: ``seed + i``), so sharding does not change which request
+    gets which seed. The engine starts only when some shard is missing. ``on_shard(k,
+    generated)`` is called after shard ``k`` is loaded or written."""
+    import contextlib
+
     from vllm_specx.engine import running_llm
 
     if quiet:
@@ -119,11 +144,73 @@ def generate_responses(
         SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed + n)
         for n, (_, t) in enumerate(requests)
     ]
-    with running_llm(target, **overrides) as llm:
-        outs = llm.generate([prompts[i] for i, _ in requests], params, use_tqdm=True)
-    responses = []
-    for (i, t), out in zip(requests, outs, strict=True):
-        responses.append(
-            Response(list(out.prompt_token_ids), list(out.outputs[0].token_ids), t, i)
-        )
+    size = max(1, shard_prompts) if shard_dir is not None else max(1, len(prompts))
+    per_prompt = len(temperatures)
+    shards = [range(a * per_prompt, min(a + size, len(prompts)) * per_prompt)
+              for a in range(0, len(prompts), size)]
+    folder = Path(shard_dir) if shard_dir is not None else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    responses: list[Response] = []
+    with contextlib.ExitStack() as stack:
+        generate = generator
+
+        def engine_generate(texts: list[str], ps: list[Any]) -> list[tuple[list[int], list[int]]]:
+            nonlocal generate
+            llm = stack.enter_context(running_llm(target, **overrides))
+
+            def run(texts: list[str], ps: list[Any]) -> list[tuple[list[int], list[int]]]:
+                outs = llm.generate(texts, ps, use_tqdm=True)
+                return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+            generate = run  # one engine for every shard of this call
+            return run(texts, ps)
+
+        for k, rng in enumerate(shards):
+            part = _load_shard(folder, k, shard_key, rng) if folder is not None else None
+            generated = part is None
+            if part is None:
+                gen = generate or engine_generate
+                outs = gen([prompts[requests[n][0]] for n in rng], [params[n] for n in rng])
+                part = [Response(ids, resp, requests[n][1], requests[n][0])
+                        for n, (ids, resp) in zip(rng, outs, strict=True)]
+                if folder is not None:
+                    _save_shard(folder, k, shard_key, rng, part)
+            responses += part
+            if on_shard is not None:
+                on_shard(k, generated)
     return responses
+
+
+def _shard_path(folder: Path, k: int) -> Path:
+    return folder / f"shard-{k:05d}.pt"
+
+
+def _load_shard(folder: Path, k: int, key: str, rng: range) -> list[Response] | None:
+    """Shard ``k``'s responses when a complete shard for the same key and requests is on
+    disk, else None (missing, another key, or unreadable: it is generated again)."""
+    import torch
+
+    path = _shard_path(folder, k)
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path)
+    except Exception:  # noqa: BLE001 (a damaged file is regenerated, whatever the damage)
+        return None
+    if not isinstance(data, dict) or data.get("key") != key or \
+            data.get("requests") != [rng.start, rng.stop]:
+        return None
+    return [Response(**r) for r in data["rows"]]
+
+
+def _save_shard(folder: Path, k: int, key: str, rng: range, rows: list[Response]) -> None:
+    import dataclasses
+
+    import torch
+
+    path = _shard_path(folder, k)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save({"key": key, "requests": [rng.start, rng.stop],
+                "rows": [dataclasses.asdict(r) for r in rows]}, tmp)
+    os.replace(tmp, path)  # atomic: the shard exists whole or not at all

@@ -66,6 +66,7 @@ STAGES = ("pretrain", "data", "finetune", "report")
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 EMBED_INITS = ("random", "target")
 AUTOCAST_MODES = ("auto", "bf16", "off")
+DEVICES = ("cpu", "cuda", "auto")
 # Files of a Hugging Face tokenizer, copied from the target so the drafter is self-contained.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -126,6 +127,8 @@ def data_stage_problems(o: Any) -> list[tuple[str, Any, bool, str]]:
         ("heldout_fraction", o.heldout_fraction, 0 < o.heldout_fraction < 1,
          "a number in (0, 1)"),
         ("seq_len", o.seq_len, o.seq_len >= 8, "an integer >= 8"),
+        ("data_shard_prompts", o.data_shard_prompts, o.data_shard_prompts >= 1,
+         "an integer >= 1"),
     ]
 
 
@@ -153,6 +156,8 @@ class DistillOptions:
     threads: int = 1
     autocast: str = "auto"
     max_position_embeddings: int | None = None
+    data_shard_prompts: int = 128
+    device: str = "cpu"
 
     def check(self) -> None:
         """One clear line per bad value, before anything starts."""
@@ -178,6 +183,7 @@ class DistillOptions:
             ("max_position_embeddings", self.max_position_embeddings,
              self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_len,
              "an integer >= seq_len"),
+            ("device", self.device, self.device in DEVICES, " or ".join(DEVICES)),
         ]
         for name, value, ok, allowed in problems:
             if not ok:
@@ -441,13 +447,17 @@ def train_lm(model: nn.Module, tensors: tuple[torch.Tensor, ...], *, steps: int,
 
     n = int(tensors[0].shape[0])
     t0 = time.time()
+    device = resolve_device(options.device)
+    model.to(device)
     history = train_loop(
         model, tensors, lm_loss,
         epochs=math.ceil(steps * batch / n), max_steps=steps, batch_size=batch, lr=lr,
         seed=seed, weight_decay=options.weight_decay, betas=(0.9, 0.95),
         grad_clip=options.grad_clip, min_lr_ratio=options.min_lr_ratio, decay_1d=False,
-        autocast_bf16=_autocast_on(options), desc=desc, progress=progress, log=log,
+        autocast_bf16=autocast_on_device(options.autocast, device), desc=desc,
+        progress=progress, log=log, device=device,
     )
+    model.to("cpu")  # saved and reported from the CPU, whatever trained it
     return {
         "steps": steps, "batch": batch, "peak_lr": lr, "rows": n,
         "supervised_tokens_per_epoch": int((tensors[-1] != -100).sum()),
@@ -474,6 +484,28 @@ def _autocast_on(options: DistillOptions) -> bool:
 
         return native_bf16()
     return options.autocast == "bf16"
+
+
+def resolve_device(name: str) -> str:
+    """``cpu``, ``cuda`` or ``auto`` (cuda where torch sees a CUDA device, else cpu) as the
+    torch device the training and feature stages run on; ValueError with one line when
+    CUDA is asked for and absent, so a run refuses before anything starts."""
+    if name not in DEVICES:
+        raise ValueError(f"--device {name!r} is not allowed; allowed: {', '.join(DEVICES)}")
+    cuda = torch.cuda.is_available()
+    if name == "cuda" and not cuda:
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine "
+                         f"(torch {torch.__version__}); allowed here: cpu or auto")
+    return "cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu"
+
+
+def autocast_on_device(autocast: str, device: str) -> bool:
+    """Whether the forward runs under bf16 autocast on ``device``: ``auto`` is on for CUDA
+    (every GPU this targets computes bf16 natively) and, on a CPU, where it has native
+    bf16 (:func:`_autocast_on`)."""
+    if device == "cuda":
+        return autocast != "off"
+    return _autocast_on(DistillOptions(autocast=autocast))
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,6 +605,7 @@ class DistillJob:
     max_prompts: int | None = None
     engine_args: dict[str, Any] | None = None
     command: str = ""
+    heldout_prompts: Path | None = None  # held-out prompts of their own, not a split
 
     @property
     def work(self) -> Path:
@@ -594,6 +627,9 @@ def stage_inputs(job: DistillJob, options: DistillOptions) -> dict[str, dict[str
         "chat_template": o.chat_template, "heldout_fraction": o.heldout_fraction,
         "train_prompts_answered": o.finetune_steps > 0,
     }
+    if job.heldout_prompts is not None:
+        # Only when given, so the work directories of earlier runs stay valid.
+        data["heldout_prompts_sha256"] = sha256_of_files([job.heldout_prompts])
     start = {
         "target": data["target"], "seed": o.seed,
         "init": model_summary(job.init).get("weights_sha256") if job.init else None,
@@ -664,6 +700,8 @@ class DistillRun:
     log: Callable[[str], None] = _log
     t_start: float = dataclasses.field(default_factory=time.time)
     _data: dict[str, list[Response]] | None = None
+    # Called after each data shard (index, whether generated now); tests stop a run here.
+    on_shard: Callable[[int, bool], None] | None = None
 
     @classmethod
     def start(cls, job: DistillJob, options: DistillOptions, *, progress: bool = True,
@@ -764,11 +802,25 @@ def run_data(run: DistillRun) -> dict[str, Any]:
     prompts = read_prompt_file(job.prompts)
     if job.max_prompts is not None:
         prompts = prompts[:job.max_prompts]
+    if job.heldout_prompts is not None:
+        # A held-out file of its own: every --prompts prompt trains, the file's are held
+        # out, and a prompt in both would make the report measure training data.
+        held_prompts = read_prompt_file(job.heldout_prompts)
+        both = set(held_prompts) & set(prompts)
+        if both:
+            raise ValueError(f"distill: --heldout-prompts {job.heldout_prompts}: {len(both)} "
+                             f"of its prompts are also in --prompts {job.prompts}; allowed: "
+                             "held-out prompts that are not training prompts")
+        prompts = held_prompts + prompts
+        held_idx, train_idx = list(range(len(held_prompts))), list(range(
+            len(held_prompts), len(prompts)))
+    else:
+        train_idx, held_idx = split_prompts(len(prompts), options.heldout_fraction,
+                                            options.seed)
     if options.chat_template:
         prompts = [run.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
         ) for p in prompts]
-    train_idx, held_idx = split_prompts(len(prompts), options.heldout_fraction, options.seed)
     if options.finetune_steps == 0:
         train_idx = []  # a raw-text-only drafter needs only the held-out answers
     # Held-out prompts first: their requests get the same seeds whether or not the
@@ -778,10 +830,21 @@ def run_data(run: DistillRun) -> dict[str, Any]:
     run.log(f"distill: data: {len(order)} prompts ({len(held_idx)} held out) x temperatures "
             f"{list(options.temperatures)}, max_tokens {options.max_tokens}, "
             f"target {job.target}")
+    # Shards of the requests in the work directory: a killed data stage resumes from its
+    # last complete shard (the key: everything the responses depend on).
+    shard_key = json.dumps({**run.inputs["data"], "order": order,
+                            "shard_prompts": options.data_shard_prompts}, sort_keys=True)
+
+    def shard_done(k: int, generated: bool) -> None:
+        if generated:
+            run.log(f"distill: data: shard {k} written")
+
     responses = generate_responses(
         job.target, [prompts[i] for i in order], temperatures=list(options.temperatures),
         max_tokens=options.max_tokens, seed=options.seed,
         engine_args={"torch_threads": options.threads, **(job.engine_args or {})},
+        shard_dir=run.job.work / "data_shards", shard_prompts=options.data_shard_prompts,
+        shard_key=shard_key, on_shard=run.on_shard or shard_done,
     )
     n_held = len(held_idx) * len(options.temperatures)
     as_rows = [dataclasses.asdict(r) for r in responses]

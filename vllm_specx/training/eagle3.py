@@ -60,15 +60,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_specx.training.distill import (
+    DEVICES,
     DistillJob,
     DistillOptions,
     DistillRun,
-    _autocast_on,
     _log,
     _read_config,
     _stage_done,
     _write_json,
+    autocast_on_device,
     data_stage_problems,
+    resolve_device,
     run_data,
 )
 
@@ -103,6 +105,8 @@ class Eagle3Options:
     save_dtype: str = "bfloat16"
     threads: int = 1
     autocast: str = "auto"
+    data_shard_prompts: int = 128
+    device: str = "cpu"
 
     def check(self) -> None:
         """One clear line per bad value, before anything starts."""
@@ -129,6 +133,7 @@ class Eagle3Options:
             ("threads", self.threads, self.threads >= 1, "an integer >= 1"),
             ("autocast", self.autocast, self.autocast in ("auto", "bf16", "off"),
              "auto, bf16 or off"),
+            ("device", self.device, self.device in DEVICES, ", ".join(DEVICES)),
         ]
         for name, value, ok, allowed in problems:
             if not ok:
@@ -144,7 +149,8 @@ class Eagle3Options:
         return DistillOptions(seed=self.seed, temperatures=self.temperatures,
                               max_tokens=self.max_tokens,
                               heldout_fraction=self.heldout_fraction, seq_len=self.seq_len,
-                              threads=self.threads, autocast=self.autocast)
+                              threads=self.threads, autocast=self.autocast,
+                              data_shard_prompts=self.data_shard_prompts)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -346,12 +352,14 @@ def response_rows(responses: list[Any], seq_len: int) -> list[tuple[list[int], i
 def target_features(target: nn.Module, rows: list[tuple[list[int], int]],
                     aux_ids: tuple[int, ...], pad_id: int, *, batch_size: int = 8,
                     progress: bool = True, desc: str = "features",
-                    autocast_bf16: bool = False) -> dict[str, torch.Tensor]:
+                    autocast_bf16: bool = False, device: str = "cpu",
+                    ) -> dict[str, torch.Tensor]:
     """The target teacher-forced on ``rows``: ``ids`` [N, L] int32, ``lengths``,
     ``answer_start``, ``aux`` [N, L, n_aux * H] and ``final`` [N, L, H] (bfloat16),
     ``greedy`` [N, L] (the target's argmax at each position). ``autocast_bf16`` runs the
     target in bfloat16 (2.3x faster on a CPU with native bfloat16, and what vLLM serves it
-    in there)."""
+    in there). The target runs on ``device`` (where it must be); the features are kept on
+    the CPU."""
     from tqdm.auto import tqdm
 
     width = max(len(ids) for ids, _ in rows)
@@ -372,16 +380,17 @@ def target_features(target: nn.Module, rows: list[tuple[list[int], int]],
     for start in range(0, n, batch_size):
         idx = order[start:start + batch_size]
         w = int(lengths[idx].max())
-        batch_ids = ids_t[idx, :w].long()
-        mask = (torch.arange(w)[None, :] < lengths[idx, None]).long()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        batch_ids = ids_t[idx, :w].long().to(device)
+        mask = (torch.arange(w)[None, :] < lengths[idx, None]).long().to(device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                            enabled=autocast_bf16):
             out = target.model(input_ids=batch_ids, attention_mask=mask,
                                output_hidden_states=True)
             aux[idx, :w] = torch.cat([out.hidden_states[i] for i in aux_ids], -1).to(
-                torch.bfloat16)
+                torch.bfloat16).cpu()
             last = out.last_hidden_state
-            final[idx, :w] = last.to(torch.bfloat16)
-            greedy[idx, :w] = (last @ lm_head.T).argmax(-1).int()
+            final[idx, :w] = last.to(torch.bfloat16).cpu()
+            greedy[idx, :w] = (last @ lm_head.T).argmax(-1).int().cpu()
         bar.update(len(idx))
     bar.close()
     return {"ids": ids_t, "lengths": lengths, "answer_start": starts, "aux": aux,
@@ -422,11 +431,11 @@ def ttt_loss_and_hits(head: Eagle3Head, batch: dict[str, torch.Tensor], draft_id
         greedy_next = batch["greedy"][:, 1:w].long()
         target_in_draft = head.target_to_draft[greedy_next]  # -1 where outside
     logits = head.unroll(tokens, aux, steps)
-    j = torch.arange(t)[None, :]
+    j = torch.arange(t, device=ids.device)[None, :]
     # Query j predicts token j + 2; its teacher needs position j + 1 < length.
     has_label = (j + 1) < lengths[:, None]
     answer = (j + 2) >= batch["answer_start"].long()[:, None]
-    loss = torch.zeros((), dtype=torch.float32)
+    loss = torch.zeros((), dtype=torch.float32, device=ids.device)
     weight_sum = 0.0
     hits = []
     for depth, lg in enumerate(logits):
@@ -490,10 +499,10 @@ def export_head(head: Eagle3Head, config: dict[str, Any], draft_ids: torch.Tenso
         "gate_proj": "midlayer.mlp.gate_proj", "up_proj": "midlayer.mlp.up_proj",
         "down_proj": "midlayer.mlp.down_proj", "norm": "norm", "lm_head": "lm_head",
     }
-    tensors = {f"{names[mod]}.weight": getattr(head, mod).weight.detach().to(dtype).contiguous()
-               for mod in names}
+    tensors = {f"{names[mod]}.weight": getattr(head, mod).weight.detach().to(dtype).cpu()
+               .contiguous() for mod in names}
     # vLLM maps draft id i to target id i + d2t[i].
-    tensors["d2t"] = (draft_ids - torch.arange(len(draft_ids))).to(torch.int64).contiguous()
+    tensors["d2t"] = (draft_ids.cpu() - torch.arange(len(draft_ids))).to(torch.int64).contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.safetensors"):
         stale.unlink()
@@ -533,6 +542,7 @@ class Eagle3Job:
     max_prompts: int | None = None
     engine_args: dict[str, Any] | None = None
     command: str = ""
+    heldout_prompts: Path | None = None
 
 
 class Eagle3Run:
@@ -542,12 +552,15 @@ class Eagle3Run:
     def __init__(self, job: Eagle3Job, options: Eagle3Options, *, progress: bool = True,
                  log: Callable[[str], None] = _log) -> None:
         self.job, self.options, self.progress, self.log = job, options, progress, log
+        # Resolved first: CUDA asked for and absent refuses before any stage starts.
+        self.device = resolve_device(options.device)
         self.t_start = time.time()
         self.work = Path(job.work_dir)
         self.work.mkdir(parents=True, exist_ok=True)
         djob = DistillJob(target=job.target, prompts=job.prompts, out_dir=job.out_dir,
                           work_dir=job.work_dir, max_prompts=job.max_prompts,
-                          engine_args=job.engine_args, shape=None, command=job.command)
+                          engine_args=job.engine_args, shape=None, command=job.command,
+                          heldout_prompts=job.heldout_prompts)
         self.drun = DistillRun.start(djob, options.distill_options(), progress=progress,
                                      log=log)
         o = options
@@ -632,11 +645,14 @@ class Eagle3Run:
             train_rows += [(w.tolist(), 0) for w in windows]
         self.log(f"distill-eagle3: features: {len(train_rows)} training rows, "
                  f"{len(held_rows)} held-out rows, aux layers {list(aux_ids)}")
-        bf16 = _autocast_on(DistillOptions(autocast=o.autocast))
-        train = target_features(self.target, train_rows, aux_ids, pad, progress=self.progress,
-                                desc="features", autocast_bf16=bf16)
-        held = target_features(self.target, held_rows, aux_ids, pad, progress=self.progress,
-                               desc="features (held out)", autocast_bf16=bf16)
+        bf16 = autocast_on_device(o.autocast, self.device)
+        target = self.target.to(self.device)
+        train = target_features(target, train_rows, aux_ids, pad, progress=self.progress,
+                                desc="features", autocast_bf16=bf16, device=self.device)
+        held = target_features(target, held_rows, aux_ids, pad, progress=self.progress,
+                               desc="features (held out)", autocast_bf16=bf16,
+                               device=self.device)
+        target.to("cpu")
         torch.save({"train": train, "heldout": held}, self.work / "eagle3_features.pt")
         positions = int(train["lengths"].sum() + held["lengths"].sum())
         seconds = time.time() - t0
@@ -644,7 +660,7 @@ class Eagle3Run:
                 "positions": positions, "seconds": round(seconds, 1),
                 "positions_per_second": round(positions / max(seconds, 1e-9), 1),
                 "extractor": "transformers (teacher-forced, "
-                + ("bfloat16 autocast)" if bf16 else "float32)")}
+                + ("bfloat16 autocast)" if bf16 else "float32)"), "device": self.device}
         self.log(f"distill-eagle3: features: {json.dumps(info)}")
         return info
 
@@ -693,7 +709,8 @@ class Eagle3Run:
         t0 = time.time()
         torch.set_num_threads(o.threads)
         draft_ids = torch.load(self.work / "eagle3_draft_ids.pt")
-        head = build_head(cfg, self.target, draft_ids, o.seed)
+        # Built on the CPU (the same seeded start whatever the device), then moved.
+        head = build_head(cfg, self.target, draft_ids, o.seed).to(self.device)
         feats = self.features()
         train, held = feats["train"], feats["heldout"]
         n = int(train["ids"].shape[0])
@@ -705,14 +722,14 @@ class Eagle3Run:
         state_file = self.work / "eagle3_train_state.pt"
         step, curve, seconds_before = 0, [], 0.0
         if state_file.is_file():
-            state = torch.load(state_file, weights_only=False)
+            state = torch.load(state_file, weights_only=False, map_location="cpu")
             if _without_budget(state["inputs"]) == self.inputs["train"]:
                 head.load_state_dict(state["head"], strict=False)
                 opt.load_state_dict(state["opt"])
                 sched.load_state_dict(state["sched"])
                 step, curve, seconds_before = state["step"], state["curve"], state["seconds"]
                 self.log(f"distill-eagle3: train: resuming at step {step}")
-        autocast = _autocast_on(DistillOptions(autocast=o.autocast))
+        autocast = autocast_on_device(o.autocast, self.device)
         positions_per_step = []
 
         def batch_rows(s: int) -> torch.Tensor:
@@ -729,7 +746,8 @@ class Eagle3Run:
             with torch.no_grad():
                 for start in range(0, int(held["ids"].shape[0]), 16):
                     rows = slice(start, start + 16)
-                    _, h = ttt_loss_and_hits(head, {k: v[rows] for k, v in held.items()},
+                    _, h = ttt_loss_and_hits(head, {k: v[rows].to(self.device)
+                                                    for k, v in held.items()},
                                              draft_ids, o.ttt_steps, o.ttt_decay)
                     for d, (a, b) in enumerate(h):
                         hits[d][0] += a
@@ -758,7 +776,8 @@ class Eagle3Run:
             idx = batch_rows(step)
             # The optimiser step itself is the one every specx trainer takes (loop.py).
             step_loss, rows = train_steps(head, columns, unrolled_loss, [idx], opt, sched,
-                                          grad_clip=o.grad_clip, autocast_bf16=autocast)
+                                          grad_clip=o.grad_clip, autocast_bf16=autocast,
+                                          device=self.device)
             step += 1
             loss_sum += step_loss / rows
             loss_n += 1
@@ -796,7 +815,7 @@ class Eagle3Run:
                 "positions_trained": curve[-1]["positions_trained"],
                 "training_minutes": curve[-1]["minutes"],
                 "seconds_this_run": round(time.time() - t0, 1), "curve": curve,
-                "autocast_bf16": autocast}
+                "autocast_bf16": autocast, "device": self.device}
         self.log(f"distill-eagle3: head written to {self.job.out_dir}")
         return info
 

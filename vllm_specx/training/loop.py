@@ -89,14 +89,18 @@ def train_steps(
     grad_clip: float | None = None,
     autocast_bf16: bool = False,
     on_step: Callable[[float], None] | None = None,
+    device: str = "cpu",
 ) -> tuple[float, int]:
     """One optimiser step per batch (row indices into ``tensors``); returns the
-    row-weighted loss sum and the rows seen. ``on_step(mean loss so far)`` after each."""
+    row-weighted loss sum and the rows seen. ``on_step(mean loss so far)`` after each.
+    ``tensors`` stay where they are (the CPU); each batch's rows are moved to ``device``,
+    where ``model`` must already be."""
     model.train()
     loss_sum, seen = 0.0, 0
     for idx in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-            loss = loss_fn(model, tuple(t[idx] for t in tensors))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                            enabled=autocast_bf16):
+            loss = loss_fn(model, tuple(t[idx].to(device) for t in tensors))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip is not None:
@@ -138,6 +142,7 @@ def train_loop(
     min_lr_ratio: float = 0.0,
     decay_1d: bool = True,
     autocast_bf16: bool = False,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Train ``model`` on rows of ``tensors`` (same first dimension); return per-epoch logs.
 
@@ -177,7 +182,7 @@ def train_loop(
         batches = [order[s * batch_size:(s + 1) * batch_size] for s in range(steps)]
         loss_sum, seen = train_steps(model, tensors, loss_fn, batches, opt, sched,
                                      grad_clip=grad_clip, autocast_bf16=autocast_bf16,
-                                     on_step=on_step)
+                                     on_step=on_step, device=device)
         entry: dict[str, Any] = {
             "epoch": epoch + 1,
             "train_loss": loss_sum / seen,
