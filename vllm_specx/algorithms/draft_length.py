@@ -99,7 +99,9 @@ def expected_gains(accept_rates: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def expected_tokens(gains: np.ndarray, lengths: Sequence[int]) -> float:
     """``E(L)``: one token per request plus the accepted-prefix probabilities drafted."""
-    return float(sum(1.0 + gains[r, :n].sum() for r, n in enumerate(lengths)))
+    n = np.asarray(lengths, dtype=np.int64)
+    drafted = np.arange(gains.shape[1])[None, :] < n[:, None]
+    return float(len(n) + (gains * drafted).sum())
 
 
 @dataclass(frozen=True)
@@ -169,9 +171,13 @@ def choose_draft_lengths(
 
 class AcceptanceHistory:
     """Per-request conditional acceptance per draft position, from the request's own
-    verified drafts (counts decay by ``decay`` per observation so a request's rate follows
-    its text), shrunk toward the pooled rate of all requests with weight ``prior_weight``
-    (a new request starts at the pooled rate). The pooled rate starts at ``prior``."""
+    verified drafts (counts that decay by ``decay`` per observation so a request's rate
+    follows its text), shrunk toward the pooled rate of all requests with weight
+    ``prior_weight`` (a new request starts at the pooled rate). The pooled rate starts at
+    ``prior``.
+
+    Requests live in rows of two ``[slots, K]`` count arrays (one row per request id), so
+    a step's updates and reads are a few array operations whatever the batch size."""
 
     def __init__(self, k_max: int, prior: float = 0.6, prior_weight: float = 2.0,
                  decay: float = 0.9, pooled_decay: float = 0.99,
@@ -184,29 +190,52 @@ class AcceptanceHistory:
         self.probe_interval = probe_interval
         self.pooled_tried = np.zeros(k_max)
         self.pooled_accepted = np.zeros(k_max)
-        self._tried: dict[str, np.ndarray] = {}
-        self._accepted: dict[str, np.ndarray] = {}
-        self._idle: dict[str, int] = {}  # steps since the request last drafted
+        self._slot: dict[str, int] = {}
+        self._tried = np.zeros((0, k_max))
+        self._accepted = np.zeros((0, k_max))
+        self._idle = np.zeros(0, dtype=np.int64)  # steps since the request last drafted
+
+    def _slots(self, req_ids: Sequence[str]) -> np.ndarray:
+        """Each request's row, a fresh zero row (no evidence) for a new one."""
+        slots = np.empty(len(req_ids), dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            slot = self._slot.get(rid)
+            if slot is None:
+                slot = self._slot[rid] = len(self._slot)
+            slots[i] = slot
+        grow = len(self._slot) - self._tried.shape[0]
+        if grow > 0:
+            grow = max(grow, self._tried.shape[0])  # amortised doubling
+            self._tried = np.concatenate([self._tried, np.zeros((grow, self.k_max))])
+            self._accepted = np.concatenate([self._accepted, np.zeros((grow, self.k_max))])
+            self._idle = np.concatenate([self._idle, np.zeros(grow, dtype=np.int64)])
+        return slots
+
+    def observe_many(self, req_ids: Sequence[str], drafted: Sequence[int],
+                     accepted: Sequence[int]) -> None:
+        """Request ``req_ids[i]`` had ``drafted[i]`` tokens verified, ``accepted[i]`` of them
+        taken: positions ``1..min(accepted + 1, drafted)`` were tried, ``1..accepted``
+        passed. Requests with nothing drafted are skipped."""
+        d = np.minimum(np.asarray(drafted, dtype=np.int64), self.k_max)
+        keep = d > 0
+        if not keep.any():
+            return
+        d = d[keep]
+        a = np.clip(np.asarray(accepted, dtype=np.int64)[keep], 0, d)
+        ids = [rid for rid, k in zip(req_ids, keep) if k]
+        cols = np.arange(self.k_max)
+        tried = (cols[None, :] < np.minimum(a + 1, d)[:, None]).astype(np.float64)
+        passed = (cols[None, :] < a[:, None]).astype(np.float64)
+        slots = self._slots(ids)
+        self._tried[slots] = self._tried[slots] * self.decay + tried
+        self._accepted[slots] = self._accepted[slots] * self.decay + passed
+        decay_all = self.pooled_decay ** len(ids)
+        self.pooled_tried = self.pooled_tried * decay_all + tried.sum(0)
+        self.pooled_accepted = self.pooled_accepted * decay_all + passed.sum(0)
 
     def observe(self, req_id: str, drafted: int, accepted: int) -> None:
-        """Request ``req_id`` had ``drafted`` tokens verified, ``accepted`` of them taken:
-        positions ``1..min(accepted + 1, drafted)`` were tried, ``1..accepted`` passed."""
-        drafted = min(int(drafted), self.k_max)
-        accepted = max(0, min(int(accepted), drafted))
-        if drafted <= 0:
-            return
-        tried = np.zeros(self.k_max)
-        tried[: min(accepted + 1, drafted)] = 1.0
-        passed = np.zeros(self.k_max)
-        passed[:accepted] = 1.0
-        t = self._tried.setdefault(req_id, np.zeros(self.k_max))
-        a = self._accepted.setdefault(req_id, np.zeros(self.k_max))
-        t *= self.decay
-        a *= self.decay
-        t += tried
-        a += passed
-        self.pooled_tried = self.pooled_tried * self.pooled_decay + tried
-        self.pooled_accepted = self.pooled_accepted * self.pooled_decay + passed
+        """:meth:`observe_many` for one request."""
+        self.observe_many([req_id], [drafted], [accepted])
 
     def pooled_rates(self) -> np.ndarray:
         """Pooled conditional acceptance per position, ``[K]``: position 1 shrunk toward
@@ -224,15 +253,9 @@ class AcceptanceHistory:
     def rates(self, req_ids: Sequence[str]) -> np.ndarray:
         """``[R, K]`` conditional acceptance per position for each request."""
         pooled = self.pooled_rates()
+        slots = self._slots(req_ids)
         w = self.prior_weight
-        out = np.empty((len(req_ids), self.k_max))
-        for row, rid in enumerate(req_ids):
-            t = self._tried.get(rid)
-            if t is None:
-                out[row] = pooled
-            else:
-                out[row] = (self._accepted[rid] + w * pooled) / (t + w)
-        return out
+        return (self._accepted[slots] + w * pooled) / (self._tried[slots] + w)
 
     def probes(self, req_ids: Sequence[str], lengths: np.ndarray) -> np.ndarray:
         """``lengths`` with a one-token draft for every request that has drafted nothing for
@@ -241,27 +264,25 @@ class AcceptanceHistory:
         a request planned at zero forgets a little of its own history (``decay`` per
         step), so its estimate drifts back toward the pooled rate while it does not draft
         instead of staying at the few rejections that stopped it."""
-        out = lengths.copy()
-        for row, rid in enumerate(req_ids):
-            if out[row] > 0:
-                self._idle[rid] = 0
-                continue
-            if rid in self._tried:
-                self._tried[rid] *= self.decay
-                self._accepted[rid] *= self.decay
-            idle = self._idle.get(rid, 0) + 1
-            if idle >= self.probe_interval:
-                out[row] = 1
-                idle = 0
-            self._idle[rid] = idle
+        out = np.asarray(lengths, dtype=np.int64).copy()
+        slots = self._slots(req_ids)
+        zero = out == 0
+        idle_slots = slots[zero]
+        self._tried[idle_slots] *= self.decay
+        self._accepted[idle_slots] *= self.decay
+        idle = np.where(zero, self._idle[slots] + 1, 0)
+        probe = idle >= self.probe_interval
+        out[probe] = 1
+        self._idle[slots] = np.where(probe, 0, idle)
         return out
 
     def forget_except(self, req_ids: Sequence[str]) -> None:
         """Drop every request not in ``req_ids`` (finished or preempted ones)."""
-        keep = set(req_ids)
-        for store in (self._tried, self._accepted, self._idle):
-            for rid in [r for r in store if r not in keep]:
-                del store[rid]
+        keep = [rid for rid in dict.fromkeys(req_ids) if rid in self._slot]
+        old = np.array([self._slot[rid] for rid in keep], dtype=np.int64)
+        self._tried, self._accepted = self._tried[old], self._accepted[old]
+        self._idle = self._idle[old]
+        self._slot = {rid: i for i, rid in enumerate(keep)}
 
 
 class CostStop:

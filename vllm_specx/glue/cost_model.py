@@ -214,10 +214,9 @@ class CostControl:
         if req_ids is None or num_rejected is None:
             return
         rejected = num_rejected.to("cpu").tolist()[:num_reqs]
-        for rid, rej in zip(req_ids, rejected):
-            drafted = self._drafted.get(rid, 0)
-            if drafted > 0:
-                self.history.observe(rid, drafted, drafted - int(rej))
+        drafted = [self._drafted.get(rid, 0) for rid in req_ids]
+        self.history.observe_many(req_ids, drafted,
+                                  [n - int(r) for n, r in zip(drafted, rejected)])
         if len(self._drafted) > 4 * max(num_reqs, 64):
             self._drafted = {r: self._drafted[r] for r in req_ids if r in self._drafted}
             self.history.forget_except(req_ids)
