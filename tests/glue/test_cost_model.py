@@ -56,6 +56,12 @@ def test_measured_costs_recover_the_scripted_costs():
     model.round_ends(True, 0, 0)
     model.round_begins(4, None)
     assert model.target.count == count and model.skipped == 2
+    # A step that ran no round (vLLM asked for K = 0): the interval after it is not used.
+    model.round_ends(True, 0, 0)
+    model.forget_interval()
+    clock.now += 0.05
+    model.round_begins(4, 4)
+    assert model.target.count == count
     assert model.describe()["source"] == "measured online"
 
 

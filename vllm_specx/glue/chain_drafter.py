@@ -185,6 +185,9 @@ class ChainRound:
     ) -> list[list[int]] | torch.Tensor:
         k_max, num_reqs = start.k, start.num_reqs
         if k_max == 0:
+            if self._cost_control is not None:
+                # A step without a round: the next interval would span two steps.
+                self._cost_control.costs.forget_interval()
             # Same contract as vLLM's proposers: the pass above keeps the draft KV in sync.
             return start.no_drafts()
 

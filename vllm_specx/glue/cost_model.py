@@ -139,6 +139,11 @@ class MeasuredCosts:
             return
         self.target.observe(x, seconds)
 
+    def forget_interval(self) -> None:
+        """The next interval is not one step's target side (a step ran without a round)."""
+        self._round_end = None
+        self._round_start = None
+
     def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
         now = self.clock()
         if self._round_start is not None and self.scale is not None:
