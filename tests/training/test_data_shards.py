@@ -130,6 +130,46 @@ def test_data_stage_in_vllm_resumes_from_its_last_complete_shard(tmp_path, monke
     assert specx_main(_eagle3_argv(tmp_path)) == 0 and saved == [1, 2]
     assert "stage data done before" in capsys.readouterr().out
 
+    # The features stage in shards of 3 rows (12 training rows: 4 shards, 4 held-out: 2),
+    # killed after 3 shards, resumes with the other 3 and assembles the same tensors as an
+    # uninterrupted run from a copy of the same data.
+    import shutil
+
+    from vllm_specx.training import eagle3 as eagle3_mod
+
+    work = tmp_path / "head.work"
+    shutil.copytree(work, tmp_path / "copy.work")
+    features_argv = [a if a != "data" else "features" for a in _eagle3_argv(tmp_path)]
+    features_argv += ["--feature-shard-rows", "3", "--seq-len", "32"]
+    real_features = eagle3_mod.target_features
+    computed: list[int] = []
+
+    def features_then_maybe_die(*args, **kwargs):
+        out = real_features(*args, **kwargs)
+        computed.append(len(args[1]))
+        if kill_after is not None and len(computed) == kill_after:
+            raise Killed  # killed while shard 3 is being saved: it does not count
+        return out
+
+    monkeypatch.setattr(eagle3_mod, "target_features", features_then_maybe_die)
+    kill_after = 3
+    with pytest.raises(Killed):
+        specx_main(features_argv)
+    assert len(list((work / "eagle3_feature_shards").glob("*.pt"))) == 2
+    kill_after, computed[:] = None, []
+    assert specx_main(features_argv) == 0
+    assert computed == [3, 3, 3, 1]  # training shards 2 and 3, held-out shards 0 and 1
+    resumed = torch.load(work / "eagle3_features.pt")
+    computed[:] = []
+    assert specx_main([*features_argv, "--work-dir", str(tmp_path / "copy.work")]) == 0
+    assert computed == [3, 3, 3, 3, 3, 1]
+    whole = torch.load(tmp_path / "copy.work" / "eagle3_features.pt")
+    for split in ("train", "heldout"):
+        assert whole[split].keys() == resumed[split].keys()
+        for name, tensor in whole[split].items():
+            assert torch.equal(tensor, resumed[split][name]), (split, name)
+    assert not list((work / "eagle3_feature_shards").glob("*.pt"))  # assembled, removed
+
 
 def test_heldout_prompts_that_are_training_prompts_are_refused(tmp_path, capsys):
     argv = _eagle3_argv(tmp_path)

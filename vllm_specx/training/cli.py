@@ -483,6 +483,10 @@ def add_distill_eagle3_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_data_stage_arguments(p, d)
     p.add_argument("--seq-len", type=int, default=d.seq_len,
                    help="tokens per training row (default: %(default)s)")
+    p.add_argument("--feature-shard-rows", type=int, default=d.feature_shard_rows,
+                   help="rows per features shard: the target's hidden states are saved shard "
+                   "by shard, and a killed features stage resumes from its last complete "
+                   "shard (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="draft vocabulary size (default: %(default)s; the target's whole "
                    "vocabulary at most)")
@@ -567,6 +571,7 @@ def cmd_distill_eagle3(args: argparse.Namespace) -> int:
         report_max_tokens=args.report_max_tokens, save_dtype=args.save_dtype,
         threads=args.threads, autocast=args.autocast,
         data_shard_prompts=args.data_shard_prompts, device=args.device,
+        feature_shard_rows=args.feature_shard_rows,
     )
     try:
         options.check()

@@ -107,6 +107,7 @@ class Eagle3Options:
     autocast: str = "auto"
     data_shard_prompts: int = 128
     device: str = "cpu"
+    feature_shard_rows: int = 2048
 
     def check(self) -> None:
         """One clear line per bad value, before anything starts."""
@@ -134,6 +135,8 @@ class Eagle3Options:
             ("autocast", self.autocast, self.autocast in ("auto", "bf16", "off"),
              "auto, bf16 or off"),
             ("device", self.device, self.device in DEVICES, ", ".join(DEVICES)),
+            ("feature_shard_rows", self.feature_shard_rows, self.feature_shard_rows >= 1,
+             "an integer >= 1"),
         ]
         for name, value, ok, allowed in problems:
             if not ok:
@@ -410,6 +413,21 @@ def _cat_features(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {k: torch.cat([pad(p[k]) for p in parts]) for k in parts[0]}
 
 
+def _load_feature_shard(path: Path, key: str, start: int,
+                        count: int) -> dict[str, torch.Tensor] | None:
+    """A complete feature shard for the same inputs and rows, else None (computed again)."""
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, mmap=True)
+    except Exception:  # noqa: BLE001 (a damaged shard is computed again, whatever the damage)
+        return None
+    if not isinstance(data, dict) or data.get("key") != key or data.get("rows") != [start,
+                                                                                      count]:
+        return None
+    return data["features"]
+
+
 # --------------------------------------------------------------------------------------------
 # Training.
 # --------------------------------------------------------------------------------------------
@@ -646,19 +664,47 @@ class Eagle3Run:
         self.log(f"distill-eagle3: features: {len(train_rows)} training rows, "
                  f"{len(held_rows)} held-out rows, aux layers {list(aux_ids)}")
         bf16 = autocast_on_device(o.autocast, self.device)
-        target = self.target.to(self.device)
-        train = target_features(target, train_rows, aux_ids, pad, progress=self.progress,
-                                desc="features", autocast_bf16=bf16, device=self.device)
-        held = target_features(target, held_rows, aux_ids, pad, progress=self.progress,
-                               desc="features (held out)", autocast_bf16=bf16,
-                               device=self.device)
-        target.to("cpu")
-        torch.save({"train": train, "heldout": held}, self.work / "eagle3_features.pt")
+        shard_dir = self.work / "eagle3_feature_shards"
+        shard_dir.mkdir(exist_ok=True)
+        key = json.dumps(self.inputs["features"], sort_keys=True)
+        computed = 0  # positions computed by this run (not loaded from earlier shards)
+        parts: dict[str, list[dict[str, torch.Tensor]]] = {"train": [], "heldout": []}
+        size = o.feature_shard_rows
+        for split, rows in (("train", train_rows), ("heldout", held_rows)):
+            for k, start in enumerate(range(0, len(rows), size)):
+                # A shard of rows, written whole (temporary name, then renamed): a killed
+                # features stage resumes from its last complete shard.
+                path = shard_dir / f"{split}-{k:05d}.pt"
+                chunk = rows[start:start + size]
+                part = _load_feature_shard(path, key, start, len(chunk))
+                if part is None:
+                    target = self.target.to(self.device)
+                    part = target_features(target, chunk, aux_ids, pad, progress=self.progress,
+                                           desc=f"features {split} {k + 1}/"
+                                           f"{math.ceil(len(rows) / size)}",
+                                           autocast_bf16=bf16, device=self.device)
+                    tmp = path.with_suffix(".pt.tmp")
+                    torch.save({"key": key, "rows": [start, len(chunk)], "features": part},
+                               tmp)
+                    tmp.replace(path)
+                    computed += int(part["lengths"].sum())
+                parts[split].append(part)
+        if self._target is not None:
+            self._target.to("cpu")
+        train, held = _cat_features(parts["train"]), _cat_features(parts["heldout"])
+        out = self.work / "eagle3_features.pt"
+        torch.save({"train": train, "heldout": held}, out.with_suffix(".pt.tmp"))
+        out.with_suffix(".pt.tmp").replace(out)
+        del parts
+        # The assembled file holds every shard: they are only a resume point.
+        for shard in shard_dir.glob("*.pt"):
+            shard.unlink()
         positions = int(train["lengths"].sum() + held["lengths"].sum())
         seconds = time.time() - t0
         info = {"rows": len(train_rows), "heldout_rows": len(held_rows),
                 "positions": positions, "seconds": round(seconds, 1),
-                "positions_per_second": round(positions / max(seconds, 1e-9), 1),
+                "positions_computed_this_run": computed,
+                "positions_per_second": round(computed / max(seconds, 1e-9), 1),
                 "extractor": "transformers (teacher-forced, "
                 + ("bfloat16 autocast)" if bf16 else "float32)"), "device": self.device}
         self.log(f"distill-eagle3: features: {json.dumps(info)}")
@@ -666,7 +712,9 @@ class Eagle3Run:
 
     def features(self) -> dict[str, dict[str, torch.Tensor]]:
         if not hasattr(self, "_features"):
-            self._features = torch.load(self.work / "eagle3_features.pt")
+            # Memory-mapped: ten times the data is gigabytes of hidden states, paged in as
+            # the batches read them rather than all at once.
+            self._features = torch.load(self.work / "eagle3_features.pt", mmap=True)
         return self._features
 
     def run_vocab(self) -> dict[str, Any]:
