@@ -119,14 +119,18 @@ class SpecxRejectionSampler(RejectionSampler):
         trees = step.trees
         rows = torch.cat([torch.arange(int(row_start[t.row]), int(row_start[t.row + 1]))
                           for t in trees]).to(device)
-        # Warped as vLLM warps the chain's rows (temperature, top-k, top-p), over the
-        # whole step's layout so each row meets its own request's settings.
-        cu_rows = torch.tensor(row_start[1:], dtype=torch.int64, device=device)
-        warped = apply_sampling_constraints(logits.to(torch.float32).clone(), cu_rows,
-                                            sampling_metadata)
-        node_logits = warped[rows]
-        node_probs = node_logits.softmax(dim=-1, dtype=torch.float32)
-        target_argmax = logits[rows].to(torch.float32).argmax(dim=-1)
+        node_logits = logits[rows].to(torch.float32)
+        target_argmax = node_logits.argmax(dim=-1)
+        if sampling_metadata.all_greedy:
+            # The greedy walk reads only the argmax; verify_tree checks the rows' shape.
+            node_probs = node_logits
+        else:
+            # Warped as vLLM warps the chain's rows (temperature, top-k, top-p), over the
+            # whole step's layout so each row meets its own request's settings.
+            cu_rows = torch.tensor(row_start[1:], dtype=torch.int64, device=device)
+            warped = apply_sampling_constraints(logits.to(torch.float32).clone(), cu_rows,
+                                                sampling_metadata)
+            node_probs = warped[rows].softmax(dim=-1, dtype=torch.float32)
         tree_rows = torch.tensor([t.row for t in trees], device=device)
         if sampling_metadata.all_greedy:
             is_greedy = torch.ones(len(trees), dtype=torch.bool, device=device)
