@@ -17,6 +17,7 @@
 #   library packages (as the drafter's build), teacher-forced like the answers.
 # Every stage is resumable: an interrupted build continues from the last training
 # checkpoint (every 50 steps) when the same command is run again.
+# The same head on ten times the data (2,365 prompts): scripts/build_smollm2_eagle3_10x.sh.
 set -euo pipefail
 
 WORK=.cache/smol_eagle3

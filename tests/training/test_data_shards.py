@@ -193,3 +193,17 @@ def test_device_cuda_without_cuda_is_refused_before_anything_runs(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--device cuda" in err and "allowed" in err
     assert not (tmp_path / "head.work").exists() and not (tmp_path / "head").exists()
+
+
+def test_distill_restart_forgets_the_data_shards(tmp_path):
+    """``distill --restart`` redoes all: the saved answers too, not a reload of the shards."""
+    argv = [a if a != "data" else "pretrain" for a in _eagle3_argv(tmp_path)]
+    argv[0] = "distill"
+    corpus = Path(__file__).resolve().parents[2] / "vllm_specx" / "training" / "data.py"
+    argv += ["--draft-config", "tiny", "--corpus", str(corpus), "--pretrain-steps", "1",
+             "--pretrain-batch", "2", "--seq-len", "32", "--restart"]
+    shards = tmp_path / "head.work" / "data_shards"
+    shards.mkdir(parents=True)
+    (shards / "shard-00000.pt").write_bytes(b"answers of an earlier run")
+    assert specx_main(argv) == 0
+    assert not shards.exists()

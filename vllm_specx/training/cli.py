@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -406,6 +407,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         for name in [f"{s}.done.json" for s in STAGES[:3]] + ["options.json"]:
             (work / name).unlink(missing_ok=True)
         (args.output / "REPORT.json").unlink(missing_ok=True)
+        # Redo all means the answers too, not a reload of the shards they were saved in.
+        shutil.rmtree(work / "data_shards", ignore_errors=True)
     job = DistillJob(
         target=args.target, prompts=args.prompts, out_dir=args.output, init=args.init,
         shape=shape, corpus=args.corpus, work_dir=work, max_prompts=args.num_prompts,
@@ -583,6 +586,7 @@ def cmd_distill_eagle3(args: argparse.Namespace) -> int:
             (work / f"eagle3_{name}.done.json").unlink(missing_ok=True)
         (work / "eagle3_train_state.pt").unlink(missing_ok=True)
         (args.output / "REPORT.json").unlink(missing_ok=True)
+        shutil.rmtree(work / "eagle3_feature_shards", ignore_errors=True)
     job = Eagle3Job(
         target=args.target, prompts=args.prompts, out_dir=args.output, work_dir=work,
         corpus=args.corpus, max_prompts=args.num_prompts, engine_args=engine_args,
