@@ -39,8 +39,9 @@ def _configs(pair_draft: str, k: int, eagle3: str | None) -> list[tuple[str, dic
     if eagle3 is not None:
         return [
             (f"eagle3 K={k}", {"method": "eagle3", "model": eagle3, "num_speculative_tokens": k}),
+            # Without "adaptive" specx_eagle3 drafts exactly K (no cost control there).
             (f"specx_eagle3 K={k}", {"method": "specx_eagle3", "model": eagle3,
-                                     "num_speculative_tokens": k, **_fixed("specx_eagle3")}),
+                                     "num_speculative_tokens": k}),
         ]
     return [
         (f"draft_model K={k}", {"method": "draft_model", "model": pair_draft,
