@@ -45,6 +45,7 @@ Patches (name -- scope -- what in vLLM changes):
   ``sample.sampler.apply_top_k_top_p`` (when vLLM imports it)
 * cpu_v2_top_k_top_p_states -- cpu-reference -- Model Runner V2's
   ``sample.states.apply_top_k_top_p`` (when vLLM imports it)
+* cpu_reference_mla_on_amx_hosts -- cpu-reference -- ``CpuPlatform.check_and_update_config``
 * cpu_onednn_packed_linear -- cpu-reference -- ``layers.utils.dispatch_cpu_unquantized_gemm``
 * cpu_reference_op_library -- cpu-reference -- ``torch.ops._C``: ops defined as a FRAGMENT
 * cpu_ops_namespace_guard -- cpu-reference -- ``type(torch.ops._C)`` swapped for a subclass
@@ -396,6 +397,17 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch:ops.mkldnn", "_linear_pointwise", "attribute",
                 ("vllm_specx/cpu_ops/linear.py",),
                 "torch's, not vLLM's: oneDNN's linear on the prepacked weight"),
+    PrivateName("torch:ops.mkldnn", "_is_mkldnn_bf16_supported", "attribute",
+                ("vllm_specx/cpu_host.py",),
+                "torch's, not vLLM's: whether oneDNN computes bfloat16 under its ISA cap "
+                "(the CPU class; bfloat16 packed only where True)"),
+    PrivateName("torch:cpu", "_is_amx_tile_supported", "attribute",
+                ("vllm_specx/cpu_host.py", "vllm_specx/cpu_ops/vllm_fixes.py"),
+                "torch's, not vLLM's: AMX tiles present (oneDNN capped; vLLM would pick "
+                "AMX_MLA there)"),
+    PrivateName("torch:cpu", "_is_avx512_bf16_supported", "attribute",
+                ("vllm_specx/cpu_host.py",),
+                "torch's, not vLLM's: AVX512-BF16 present (the CPU class)"),
     # --- the benchmark ------------------------------------------------------------------------
     PrivateName("vllm.v1.engine.core_client", "InprocClient", "attribute",
                 ("vllm_specx/bench/engine_run.py",),
