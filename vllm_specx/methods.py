@@ -323,6 +323,25 @@ TREE_NEEDS_CPU_V1 = V1OnlySetting(
 )
 
 
+ADAPTIVE_DRAFT_TREE = Knob(
+    "draft_tree", "tree", False,
+    'false, true or {"max_nodes": N, "max_depth": D, "branching": K} (N 1-64, D 1-16, K 1-N)',
+    "draft a dynamic tree with the draft model instead of the adaptive chain: per depth the "
+    "best `branching` continuations of the tree's best paths (one batched pass per depth), "
+    "the best `max_nodes` nodes kept, verified losslessly in one target pass (V1 runner on "
+    "CPU); the adaptive stop is not used then; true = the defaults 16 / 5 / 4",
+)
+DEFAULT_TREE = {"max_nodes": 16, "max_depth": 5, "branching": 4}  # draft_tree.DEFAULT_TREE_KNOB
+
+
+def draft_model_tree(settings: Mapping[str, Any]) -> dict[str, int] | None:
+    """``adaptive``'s tree shape (max_nodes, max_depth, branching), or None without one."""
+    tree = settings.get("draft_tree")
+    if tree in (None, False) or settings.get("method") == "mtad":
+        return None
+    return {**DEFAULT_TREE, **(tree if isinstance(tree, Mapping) else {})}
+
+
 def tree_on(settings: Mapping[str, Any]) -> bool:
     """Whether the settings turn draft trees on."""
     return settings.get("draft_tree") not in (None, False)
@@ -335,6 +354,9 @@ def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
     tree = settings.get("draft_tree")
     if tree in (None, False):
         return None
+    shape = draft_model_tree(settings)
+    if shape is not None:
+        return min(shape["max_nodes"], shape["branching"] * shape["max_depth"])
     k, beams = int(settings["num_speculative_tokens"]), int(settings.get("num_beams", 1))
     if isinstance(tree, Mapping) and "max_nodes" in tree:
         return min(int(tree["max_nodes"]), beams * k)
@@ -367,6 +389,31 @@ def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
                        f"{MAX_TREE_NODES}; give {{\"max_nodes\": N}} with N <= {MAX_TREE_NODES}")
     if _device_type(ctx.device) != "cpu":
         return Refusal("draft_tree", tree if isinstance(tree, bool) else dict(tree),
+                       f"not on {ctx.device} yet: tree verification runs on vLLM's V1 model "
+                       "runner on CPU only (the ancestor mask is in vllm-specx's CPU "
+                       "attention; Model Runner V2, CUDA and Ascend are the next issue)")
+    return None
+
+
+def draft_model_tree_fits(ctx: CheckContext) -> Refusal | None:
+    """``draft_tree`` on a draft-model method: ``validate_tree_knob``'s rules (dynamic
+    trees only: static ``paths`` need a top-k drafter) and the device (CPU only)."""
+    tree = ctx.settings.get("draft_tree")
+    if tree in (None, False):
+        return None
+    shown = tree if isinstance(tree, bool) else dict(tree)
+    if isinstance(tree, Mapping):
+        if "paths" in tree:
+            return Refusal("draft_tree", shown, 'a dynamic tree {"max_nodes": N, "max_depth": '
+                           'D, "branching": K}: static "paths" trees are not drafted by a '
+                           "draft model yet")
+        from vllm_specx.algorithms.draft_tree import validate_tree_knob  # torch, lazily
+
+        problems = validate_tree_knob(dict(tree))
+        if problems:
+            return Refusal("draft_tree", shown, problems[0])
+    if _device_type(ctx.device) != "cpu":
+        return Refusal("draft_tree", shown,
                        f"not on {ctx.device} yet: tree verification runs on vLLM's V1 model "
                        "runner on CPU only (the ancestor mask is in vllm-specx's CPU "
                        "attention; Model Runner V2, CUDA and Ascend are the next issue)")
@@ -512,11 +559,12 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=8,
             knobs=(MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD, CONFIDENCE_THRESHOLD,
-                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING, COST_CONTROL),
-            checks=(min_tokens_within_k, acceptance_head_fits_draft),
+                   CONFIDENCE_SIGNAL, DRAFT_SAMPLING, COST_CONTROL, ADAPTIVE_DRAFT_TREE),
+            checks=(min_tokens_within_k, acceptance_head_fits_draft, draft_model_tree_fits),
             proposer=named("vllm_specx.glue.adaptive_proposer:AdaptiveProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:AdaptiveV2Speculator"),
             runs_on_v2=True,
+            v1_only_settings=(TREE_NEEDS_CPU_V1,),
             available=True,
             ragged_drafts=True,
         ),

@@ -256,6 +256,7 @@ def test_adaptive_translation():
         "method": "adaptive", "num_speculative_tokens": 12, "min_speculative_tokens": 2,
         "stop_threshold": 0.3, "acceptance_head": None, "confidence_threshold": 0.5,
         "confidence_signal": "token_prob", "draft_sampling": "sampled", "cost_control": True,
+        "draft_tree": False,
     }
 
 

@@ -61,6 +61,41 @@ def test_bad_tree_configs_are_refused_in_one_line(config, device, fragments):
         assert fragment in message, message
 
 
-def test_tree_knob_belongs_to_mtad():
-    with pytest.raises(SpecxConfigError, match="belongs to specx method 'mtad'"):
-        run({"method": "adaptive", "model": "draft", "draft_tree": True})
+def test_tree_knob_belongs_to_the_draft_model_methods():
+    with pytest.raises(SpecxConfigError, match="belongs to specx method 'mtad' or 'adaptive'"):
+        run({"method": "ngram", "num_speculative_tokens": 3, "draft_tree": True})
+
+
+ADAPTIVE = {"method": "adaptive", "model": "draft", "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize("tree, nodes", [
+    (True, 16), ({"max_nodes": 8, "max_depth": 3, "branching": 3}, 8),
+    ({"max_nodes": 30, "max_depth": 2, "branching": 4}, 8),  # 4 x 2 beam positions at most
+])
+def test_adaptive_tree_is_scheduled_as_its_node_budget(tree, nodes):
+    from vllm_specx.glue.mtad_proposer import tree_drafter_settings
+
+    result = run({**ADAPTIVE, "draft_tree": tree})
+    assert result.vllm_speculative_config["num_speculative_tokens"] == nodes
+    drafter = tree_drafter_settings(result.specx_settings)
+    shape = {"max_nodes": 16, "max_depth": 5, "branching": 4,
+             **(tree if isinstance(tree, dict) else {})}
+    assert (drafter["num_beams"], drafter["num_speculative_tokens"]) == (
+        shape["branching"], shape["max_depth"])
+    assert "draft_tree" in METHODS["adaptive"].v1_only_reason(result.specx_settings)
+
+
+@pytest.mark.parametrize("tree, device, fragment", [
+    ({"max_depth": 0}, "cpu", 'draft_tree["max_depth"] = 0 is not allowed'),
+    ({"max_nodes": 8, "max_depth": 3, "branching": 9}, "cpu", "more children than max_nodes"),
+    ({"depth": 3}, "cpu", "unknown keys ['depth']"),
+    ({"paths": [[0], [1]]}, "cpu", 'static "paths" trees are not drafted by a draft model'),
+    (True, "cuda", "not on cuda yet"),
+])
+def test_bad_adaptive_trees_are_refused_in_one_line(tree, device, fragment):
+    with pytest.raises(SpecxConfigError) as info:
+        run({**ADAPTIVE, "draft_tree": tree}, device=device)
+    message = str(info.value)
+    assert "\n" not in message and "for method 'adaptive'" in message
+    assert fragment in message, message

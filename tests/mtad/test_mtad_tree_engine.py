@@ -35,14 +35,14 @@ def pair(tmp_path_factory):
 class TreeEngine:
     """An in-process engine with MTAD tree drafting, its runner and preemption count."""
 
-    def __init__(self, target_dir: str) -> None:
+    def __init__(self, target_dir: str, spec: dict[str, Any] | None = None) -> None:
         from vllm_specx.engine import make_llm
 
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError("engine tests need VLLM_ENABLE_V1_MULTIPROCESSING=0")
         self.llm = make_llm(
             target_dir,
-            speculative_config={
+            speculative_config=spec or {
                 "method": "mtad", "model": target_dir, "num_speculative_tokens": K,
                 "num_beams": B, "acceptance_threshold": 0.1, "greedy_drafting": "beam",
                 "draft_tree": True,

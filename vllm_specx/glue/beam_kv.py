@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_specx.config import specx_settings
 from vllm_specx.glue.patch_base import VllmPatch
-from vllm_specx.methods import METHODS
+from vllm_specx.methods import METHODS, draft_model_tree
 
 if TYPE_CHECKING:
     import torch
@@ -75,19 +75,23 @@ def beam_scratch_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
     """
     settings = specx_settings(vllm_config)
     method = METHODS.get(settings.get("method", "")) if settings else None
-    if method is None or method.beam_width_knob is None:
+    tree = draft_model_tree(settings) if settings else None
+    if method is None or (method.beam_width_knob is None and tree is None):
         return 0
     spec_config = getattr(vllm_config, "speculative_config", None)
     # The beams' depth: the specx setting (with draft_tree vLLM's K is the tree's node
-    # budget, not the depth); vLLM's own K where the settings carry none.
+    # budget, not the depth); vLLM's own K where the settings carry none. A draft-model
+    # tree (adaptive's draft_tree) is drafted by the same beam passes: branching x depth.
     k = (settings.get("num_speculative_tokens")
          or getattr(spec_config, "num_speculative_tokens", None))
+    if tree is not None:
+        k = tree["max_depth"]
     block_size = uniform_block_size(kv_cache_config)
     if not k or block_size is None:
         return 0
     from vllm_specx.algorithms.beam_tails import beam_tail_span_blocks
 
-    beams = int(settings[method.beam_width_knob])
+    beams = int(tree["branching"] if tree is not None else settings[method.beam_width_knob])
     per_request = (beams - 1) * beam_tail_span_blocks(int(k), block_size)
     max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     want = max_num_seqs * per_request

@@ -373,6 +373,35 @@ class MTADProposer(MTADRound, SpecxDraftModelProposer):
     """Draft-model proposer that drafts by beam search (MTAD). See the module docstring."""
 
 
+class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
+    """``adaptive`` with ``draft_tree``: a dynamic tree from the draft model, drafted by the
+    MTAD round's batched beam passes (width ``branching``, depth ``max_depth``: the best
+    ``branching`` continuations of the best paths per depth, deterministic for greedy
+    requests, drawn without the verifier's randomness otherwise) and kept to ``max_nodes``
+    nodes by joint draft probability. The runner hook hands it settings in MTAD's terms
+    (:func:`tree_drafter_settings`); the sampler verifies with the lossless
+    ``"deterministic"`` tree rule, which needs no draft probabilities."""
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        # No q: a tree verified as a chain (a step that falls back to chains) then takes
+        # the one-hot rule, lossless for drafts chosen without the verifier's randomness;
+        # the MTAD nodes' q would make the standard rule treat BFS siblings as one chain
+        # drawn from q, which they are not.
+        self._last_draft_probs = None
+        return None
+
+
+def tree_drafter_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A draft-model tree's shape as the MTAD round's knobs (beams = branching, K = depth;
+    greedy requests draft the tree too)."""
+    from vllm_specx.methods import draft_model_tree
+
+    shape = draft_model_tree(settings)
+    assert shape is not None
+    return {**settings, "num_beams": shape["branching"],
+            "num_speculative_tokens": shape["max_depth"], "greedy_drafting": "beam"}
+
+
 class _BatchedBeamPasses:
     """The beam search's model callback: depth j is one draft pass over every live beam
     of every request, each beam in its own KV slot (see the module docstring).

@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_specx.config import SpecxConfigError
 from vllm_specx.glue.proposer_contract import SpecxProposer
-from vllm_specx.methods import METHODS, tree_on
+from vllm_specx.methods import METHODS, draft_model_tree, tree_on
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
@@ -39,8 +39,15 @@ def install_specx_components(runner: Any, settings: dict[str, Any]) -> None:
             "of vllm-specx."
         )
     backend = select_backend()
-    drafter = spec.proposer()(runner.vllm_config, runner.device, runner)
-    drafter.settings = dict(settings)
+    drafter_settings = dict(settings)
+    proposer = spec.proposer()
+    if draft_model_tree(settings) is not None:
+        # adaptive with draft_tree: the tree is drafted by the MTAD round's beam passes.
+        from vllm_specx.glue.mtad_proposer import DraftTreeProposer, tree_drafter_settings
+
+        proposer, drafter_settings = DraftTreeProposer, tree_drafter_settings(settings)
+    drafter = proposer(runner.vllm_config, runner.device, runner)
+    drafter.settings = drafter_settings
     if not isinstance(drafter, SpecxProposer):
         raise TypeError(
             f"vllm-specx: {method}'s proposer {type(drafter).__name__} does not offer the "

@@ -154,13 +154,25 @@ class SpecxRejectionSampler(RejectionSampler):
             cu_num_nodes=torch.tensor(np.cumsum([t.parents.shape[0] for t in trees]),
                                       dtype=torch.int64, device=device),
         )
-        if self.rule != "mtad":
+        # The lossless rule for a draft-model tree is "deterministic": its children were
+        # chosen without the verifier's randomness (top-k / drawn without replacement by
+        # the drafter), which is what that rule needs, and it reads no q.
+        tree_rule = {"mtad": "mtad", "standard": "deterministic"}.get(self.rule)
+        if tree_rule is None:
             raise NotImplementedError(
                 f"vllm-specx: tree verification with the {self.rule!r} rule is not wired yet")
+        # One uniform per node (MTAD's test reads none), seeded rows from their generator.
+        uniforms = torch.rand(batch.num_nodes, device=device)
+        start = 0
+        for tree in trees:
+            n = tree.parents.shape[0]
+            generator = sampling_metadata.generators.get(tree.row)
+            if generator is not None:
+                uniforms[start: start + n] = torch.rand(n, generator=generator, device=device)
+            start += n
         verdict = verify_tree(
-            batch, node_probs, rule="mtad", is_greedy=is_greedy, exp_noise=exp_noise,
-            # MTAD's test is deterministic given p and q: no uniform per node is read.
-            uniforms=torch.zeros(batch.num_nodes, device=device),
+            batch, node_probs, rule=tree_rule, is_greedy=is_greedy, exp_noise=exp_noise,
+            uniforms=uniforms,
             target_argmax=target_argmax, draft_token_probs=q,
             acceptance_threshold=self.acceptance_threshold,
             all_greedy=bool(sampling_metadata.all_greedy),
