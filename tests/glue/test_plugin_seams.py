@@ -213,6 +213,25 @@ def test_v2_runner_request_is_refused_for_what_runs_on_v1_only(model_dir, monkey
                                   "adaptive": True})
 
 
+def test_tree_configs_need_v1_and_synchronous_scheduling(model_dir, monkeypatch):
+    """draft_tree (issue 37): vLLM schedules the tree's node budget, synchronously; forcing
+    Model Runner V2 or async scheduling is refused in one line naming draft_tree."""
+    spec = {"method": "mtad", "model": model_dir, "num_speculative_tokens": 3,
+            "num_beams": 2, "draft_tree": True}
+    cfg = engine_config(model_dir, dict(spec))
+    assert cfg.speculative_config.num_speculative_tokens == 6
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.use_v2_model_runner is False
+    with pytest.raises(ValueError, match="'mtad' with draft_tree: it drafts") as err:
+        engine_config(model_dir, dict(spec), async_scheduling=True)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    for method_spec in (spec, {"method": "adaptive", "model": model_dir, "draft_tree": True}):
+        with pytest.raises(ValueError, match="V1 model runner only .draft_tree = true") as err:
+            engine_config(model_dir, dict(method_spec))
+        assert "\n" not in str(err.value)
+
+
 # -- a real CLI process --------------------------------------------------------------
 def _vllm_serve(model_dir: str, *args: str) -> subprocess.CompletedProcess:
     vllm_bin = Path(sys.executable).with_name("vllm")
