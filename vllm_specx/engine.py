@@ -95,9 +95,16 @@ def default_dtype() -> str:
 def ensure_cpu_env() -> None:
     """Select vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu`` unless already set).
 
-    Call before vLLM is imported: vLLM resolves its platform once, on first use.
+    Call before vLLM is imported: vLLM resolves its platform once, on first use. On an
+    AMX CPU it also caps oneDNN's ISA (:func:`vllm_specx.cpu_host.cap_onednn_isa_for_exact_rows`)
+    before anything in the process can run a oneDNN product (the plugin's registration does
+    it again, too late for a process that multiplied bfloat16 before starting an engine).
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if os.environ["VLLM_TARGET_DEVICE"] == "cpu":
+        from vllm_specx.cpu_host import cap_onednn_isa_for_exact_rows
+
+        cap_onednn_isa_for_exact_rows()
 
 
 @contextlib.contextmanager
