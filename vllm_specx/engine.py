@@ -80,10 +80,12 @@ def default_dtype() -> str:
     """The engines' dtype unless a caller passes one: ``$VLLM_SPECX_CPU_DTYPE`` if set;
     else, on vLLM's CPU platform, bfloat16 where the CPU has native bfloat16 arithmetic
     (there a decoding step costs about half of float32's and verifying 2-9 tokens
-    little more than one: README, "Can speculation pay on this CPU?"); else float32.
+    little more than one: docs/benchmarks/real-pair.md, "Can speculation pay on this CPU?");
+    else float32.
 
     Greedy equality of lossless speculation holds within one dtype; bfloat16 changes the
-    target's own outputs slightly (README: the perplexity of each dtype's text)."""
+    target's own outputs slightly (docs/benchmarks/real-pair.md: the perplexity of each
+    dtype's text)."""
     chosen = os.environ.get(DTYPE_ENV, "").strip()
     if chosen:
         return chosen

@@ -2,12 +2,12 @@
 
 Pure Python (no vLLM, no torch): the single source for a method's name, knobs
 (defaults, allowed values, help text), cross-knob checks, verification rule and
-proposer. Config validation, the runner hook, the sampler, the README defaults table
-and ``vllm-specx methods`` all read this module.
+proposer. Config validation, the runner hook, the sampler, the docs' defaults table
+(docs/methods/knobs.md) and ``vllm-specx methods`` all read this module.
 
 Adding a method: one :class:`MethodSpec` entry in :data:`METHODS` (naming its proposer
 class with :func:`named`, so nothing here imports the glue) plus one proposer file in
-``vllm_specx/glue/``; the README's "For contributors" walks through it.
+``vllm_specx/glue/``; docs/contributing/adding-a-method.md walks through it.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class NpuRefusedSetting:
 @dataclass(frozen=True)
 class V1OnlySetting:
     """A setting value with which a method that runs on Model Runner V2 still runs on
-    V1 (named in the README's "Which model runner", and logged), and why."""
+    V1 (named in docs/model-runners.md, and logged), and why."""
 
     knob: str
     value: Any
@@ -172,7 +172,7 @@ class MethodSpec:
     # swaps it in for vLLM's), imported lazily. None: no V2 speculator yet.
     v2_speculator: ProposerFactory | None = None
     # One line: why the method still needs the V1 runner (logged, and named in the
-    # README's "Which model runner"). Ignored when ``runs_on_v2``.
+    # docs/model-runners.md). Ignored when ``runs_on_v2``.
     v1_reason: str = "its drafter and sampler are hooked into the V1 runner only"
     # Settings that keep a method which runs on V2 on the V1 runner all the same (e.g.
     # an adaptive stop whose V2 drafter is not built yet): :func:`v1_only_reason`.
@@ -211,7 +211,8 @@ def _half_open_unit(v: float) -> bool:
     return 0.0 < v <= 1.0
 
 
-# Defaults picked from the README's MTAD sweep (fixture pair, T=1, top-k 20, top-p 0.9):
+# Defaults picked from the MTAD sweep of docs/benchmarks/mtad.md (fixture pair, T=1, top-k 20,
+# top-p 0.9):
 # B = 2 gives most of the perplexity drop of wider beams at a quarter of B = 8's draft
 # passes; tau = 0.1 (the paper's) accepts nearly as much as 0.05.
 NUM_BEAMS = Knob(
@@ -222,7 +223,7 @@ NUM_BEAMS = Knob(
 GREEDY_DRAFTING = Knob(
     "greedy_drafting", "str", "chain", '"beam" or "chain"',
     "how greedy requests draft: the B-wide beam search's joint-best beam, or the argmax "
-    "chain (width 1; accepted more often at temperature 0, see the README)",
+    "chain (width 1; accepted more often at temperature 0, see docs/benchmarks/mtad.md)",
     lambda v: v in ("beam", "chain"),
 )
 ACCEPTANCE_THRESHOLD = Knob(
@@ -282,8 +283,9 @@ HETEROGENEOUS_VOCAB = Knob(
 )
 # specx_mtp's own default: an MTP layer is distilled from the target, so its probabilities
 # are as flat as the target's, and at temperature 0 a flat argmax is still usually right.
-# On the MTP fixture (README) 0.5 stopped nearly every draft after one token (projected
-# 1.39x at K = 8 vs 1.98x at 0.2, T = 0); at T = 1 0.2 and 0.5 projected the same.
+# On the MTP fixture (docs/methods/specx-mtp.md) 0.5 stopped nearly every draft after one
+# token (projected 1.39x at K = 8 vs 1.98x at 0.2, T = 0); at T = 1 0.2 and 0.5 projected the
+# same.
 MTP_CONFIDENCE_THRESHOLD = replace(
     CONFIDENCE_THRESHOLD, default=0.2,
     help="training-free policy: stop when the MTP layer's own probability of its draft "
@@ -667,7 +669,8 @@ def knob_owners(name: str) -> list[str]:
 
 
 def defaults_table_markdown() -> str:
-    """The README's defaults table, generated so it can never drift from the code."""
+    """The docs' defaults table (docs/methods/knobs.md), generated so it can never drift from
+    the code (scripts/update_docs_tables.py writes it there)."""
     rows = [
         "| method | knob | default | allowed | meaning |",
         "|---|---|---|---|---|",

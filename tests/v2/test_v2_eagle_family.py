@@ -21,7 +21,7 @@ cache too small for the "many" batch:
 auxiliary layer ids only ``eagle_config`` holds, which V2 itself does not read): greedy
 output equals V2 without speculation, drafts ragged. On these synthetic prompts neither
 runner accepts this head's drafts (vLLM's own ``eagle3`` neither); on held-out text both
-accept the same (README "Which model runner").
+accept the same (docs/model-runners.md).
 """
 
 from __future__ import annotations

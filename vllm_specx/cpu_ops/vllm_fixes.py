@@ -35,7 +35,7 @@ Two more keep one request from killing a running CPU engine (defects 4 and 5):
   last step before ``max_tokens``); an empty batch now passes through unchanged.
 
 One keeps Model Runner V2 alive on the CPU platform (``CUDA_VISIBLE_DEVICES=``,
-``TRITON_INTERPRET=1``, README "Which model runner"):
+``TRITON_INTERPRET=1``, docs/model-runners.md):
 
 * ``v2_top_k_top_p_sampler`` / ``v2_top_k_top_p_states``: with Triton found,
   ``apply_top_k_top_p`` calls the Triton top-k/top-p kernel, which fails under the

@@ -2,7 +2,7 @@
 
 The B beams of one request write different tokens at the same lookahead positions
 ``P+1 .. P+K-1``. To run all beams of a depth in ONE draft forward pass, every beam needs
-its own KV slots for its tail. How (numbers in the README, "Draft cost"):
+its own KV slots for its tail. How (numbers in docs/methods/mtad.md, "Draft cost"):
 
 * **A block-aligned scratch region, reserved at start.** The scheduler is told the KV
   cache has ``R`` blocks fewer than the workers allocated (:class:`BeamScratchReservation`);

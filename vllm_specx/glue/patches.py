@@ -253,14 +253,14 @@ class SpeculativeConfigTranslation(VllmPatch):
                     f'speculative_config["method"] = "{method}" runs on vLLM\'s V1 model '
                     f"runner only ({v1_reason}): unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
-            # README "Which model runner": the runner, and CUDA graphs on V2, before start.
+            # docs/model-runners.md: the runner, and CUDA graphs on V2, before start.
             logger.info("%s", runner_announcement(method, v1_reason))
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings,
                                result.vllm_speculative_config.get("model"))
             refusal = parallelism_refusal(method, result.vllm_speculative_config,
                                           target_model_config, target_parallel_config)
-            if refusal is not None:  # README "Scaling out": what runs under TP/DP/PP
+            if refusal is not None:  # docs/scaling-out.md: what runs under TP/DP/PP
                 raise refusal
             if METHODS[method].ragged_drafts or tree_on(result.specx_settings):
                 # Async scheduling reserves K draft slots per request before the drafter

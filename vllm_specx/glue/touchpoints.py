@@ -62,9 +62,9 @@ vLLM may rename them in any release without notice.
 
 ``tests/glue/test_touchpoints.py`` checks the installed vLLM has every patch target and
 every private name (failing with "vLLM X no longer has Y, used by Z"), that every patch
-was verified on the installed release, that this table and the README's list every
-patch, and that the package uses no underscore name missing from this manifest. The
-nightly CI job runs it against vLLM's newest build.
+was verified on the installed release, that this table and the docs' patch manifest
+(docs/contributing/patches.md) list every patch, and that the package uses no underscore
+name missing from this manifest. The nightly CI job runs it against vLLM's newest build.
 
 Upgrade checklist (new vLLM release ``R``; docs/cpu-reference-backend.md for the CPU ops):
 
@@ -78,7 +78,7 @@ Upgrade checklist (new vLLM release ``R``; docs/cpu-reference-backend.md for the
 3. Add ``R`` to the drift table in :mod:`vllm_specx.cpu_ops.schemas` after diffing
    ``csrc/cpu/torch_bindings.cpp`` for every op listed there.
 4. Add ``R`` to :data:`~vllm_specx.glue.patch_base.VERIFIED_RELEASES`, widen
-   ``SUPPORTED_VLLM`` in setup.py, run the whole suite under ``R``, update the README.
+   ``SUPPORTED_VLLM`` in setup.py, run the whole suite under ``R``, update the docs.
 """
 
 from __future__ import annotations
