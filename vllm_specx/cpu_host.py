@@ -1,7 +1,7 @@
 """What this x86-64 CPU can do for the CPU engine, read once, named one way everywhere.
 
 vLLM's CPU backend runs on four classes of x86-64 host, and the project's choices differ
-between them (README, "Which CPU"):
+between them (docs/benchmarks/real-pair.md, "Which CPU"):
 
 * ``AVX2`` -- no native bfloat16: oneDNN cannot pack bfloat16 weights
   (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) and bfloat16 arithmetic is
