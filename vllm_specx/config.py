@@ -201,7 +201,10 @@ def translate(
         if given:
             if not knob.type_ok(value) or (knob.check is not None and not knob.check(value)):
                 raise _bad(knob.name, value, knob.allowed, name)
-            if knob.requires is not None:
+            # A switch turned off is no error where it would not apply anyway (e.g.
+            # "cost_control": false without "adaptive": true); turned on, it is refused.
+            turned_off = knob.kind == "bool" and value is False
+            if knob.requires is not None and not turned_off:
                 other, needed = knob.requires
                 if config.get(other, spec.knob(other).default) != needed:
                     raise _bad(

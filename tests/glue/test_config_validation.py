@@ -263,7 +263,8 @@ def test_adaptive_translation():
 @pytest.mark.parametrize(("config", "allowed"), [
     ({"method": "adaptive", "model": "d", "cost_control": "off"}, "true or false"),
     ({"method": "adaptive", "model": "d", "cost_control": 0}, "true or false"),
-    ({"method": "specx_mtp", "cost_control": False}, '"adaptive": true'),
+    ({"method": "specx_mtp", "cost_control": True}, '"adaptive": true'),
+    ({"method": "specx_eagle3", "model": "d", "cost_control": True}, '"adaptive": true'),
 ])
 def test_cost_control_knob_refused_in_one_line(config, allowed):
     with pytest.raises(SpecxConfigError) as err:
@@ -278,6 +279,19 @@ def test_cost_control_off():
     result = run({"method": "specx_eagle3", "model": "d", "adaptive": True,
                   "cost_control": False})
     assert result.specx_settings["cost_control"] is False
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "specx_mtp", "cost_control": False},
+    {"method": "specx_eagle3", "model": "d", "cost_control": False},
+    {"method": "specx_eagle3", "model": "d", "adaptive": False, "cost_control": False},
+])
+def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
+    # Turning a switch off is never an error: without "adaptive": true every request
+    # drafts K and there is no cost control to turn off (the value is carried as given).
+    result = run(config)
+    assert result.specx_settings["cost_control"] is False
+    assert result.specx_settings.get("adaptive", False) is False
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [
