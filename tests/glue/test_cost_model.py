@@ -78,6 +78,23 @@ def test_control_learns_acceptance_and_plans_zero_for_failing_drafts():
     assert control.describe()["partial_zero_steps"] > 0
 
 
+def test_control_learns_nothing_from_a_step_that_did_not_verify_the_drafts():
+    # Round 1 drafts 4 for each; the next step verifies none of them (vLLM ran a step
+    # without a round, or dropped the drafts): 2 requests, 2 target tokens, no rejections.
+    # That must not read as 8 accepted drafts.
+    control = CostControl(4)
+    ids = ("a", "b")
+    control.begin(ids, torch.tensor([0, 0]), 2)
+    control.plan(ids, 4, ConfidenceStop(0.0, max_tokens=4), torch.device("cpu"))
+    control.end(ids, [4, 4], 3, 6)
+    before = control.history.pooled_rates().copy()
+    control.begin(ids, torch.tensor([0, 0]), 2)
+    assert np.array_equal(control.history.pooled_rates(), before)
+    # The drafts verified as drafted (2 + 8 target tokens): learned.
+    control.begin(ids, torch.tensor([0, 0]), 10)
+    assert (control.history.pooled_rates() > before).all()
+
+
 def test_bench_report_prints_the_cost_model():
     from vllm_specx.bench.report import markdown_table
 

@@ -220,6 +220,12 @@ class CostControl:
             return
         rejected = num_rejected.to("cpu").tolist()[:num_reqs]
         drafted = [self._drafted.get(rid, 0) for rid in req_ids]
+        if draft_tokens is not None and draft_tokens != sum(drafted):
+            # The step did not verify last round's drafts as drafted (a step ran without
+            # a round, the scheduler cut or dropped drafts, a request was still in
+            # prefill): a request with no rejections there may have verified nothing, so
+            # nothing is learned rather than false acceptances.
+            return
         self.history.observe_many(req_ids, drafted,
                                   [n - int(r) for n, r in zip(drafted, rejected)])
         if len(self._drafted) > 4 * max(num_reqs, 64):
