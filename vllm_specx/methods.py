@@ -341,7 +341,14 @@ def draft_model_tree(settings: Mapping[str, Any]) -> dict[str, int] | None:
     tree = settings.get("draft_tree")
     if tree in (None, False) or settings.get("method") == "mtad":
         return None
-    return {**DEFAULT_TREE, **(tree if isinstance(tree, Mapping) else {})}
+    given = dict(tree) if isinstance(tree, Mapping) else {}
+    n = given.get("max_nodes")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+        # A default never exceeds the nodes given: {"max_nodes": 2} is a 2-node tree
+        # (as draft_tree.validate_tree_knob reads it), not a refused depth of 5.
+        return {"max_nodes": n, **{k: min(v, n) for k, v in DEFAULT_TREE.items()
+                                    if k != "max_nodes"}, **given}
+    return {**DEFAULT_TREE, **given}
 
 
 def tree_on(settings: Mapping[str, Any]) -> bool:

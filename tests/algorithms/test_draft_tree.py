@@ -120,6 +120,9 @@ def test_tree_from_paths_names_each_problem(paths, message) -> None:
 def test_validate_tree_knob() -> None:
     assert DT.validate_tree_knob({"max_nodes": 16, "max_depth": 5, "branching": 4}) == []
     assert DT.validate_tree_knob({"max_nodes": 8}) == []
+    # Unset depth / branching default to at most the nodes given (not refused).
+    assert DT.validate_tree_knob({"max_nodes": 2}) == []
+    assert DT.validate_tree_knob({"max_nodes": 1}) == []
     assert DT.validate_tree_knob({"paths": [[0], [1], [0, 0]]}) == []
     cases = {
         "x": "it must be a dict",

@@ -72,6 +72,8 @@ ADAPTIVE = {"method": "adaptive", "model": "draft", "num_speculative_tokens": 4}
 @pytest.mark.parametrize("tree, nodes", [
     (True, 16), ({"max_nodes": 8, "max_depth": 3, "branching": 3}, 8),
     ({"max_nodes": 30, "max_depth": 2, "branching": 4}, 8),  # 4 x 2 beam positions at most
+    # Defaults never exceed the max_nodes given (were refused: "max_depth = 5", unset).
+    ({"max_nodes": 2}, 2), ({"max_nodes": 3, "branching": 1}, 3),
 ])
 def test_adaptive_tree_is_scheduled_as_its_node_budget(tree, nodes):
     from vllm_specx.glue.mtad_proposer import tree_drafter_settings
@@ -79,8 +81,9 @@ def test_adaptive_tree_is_scheduled_as_its_node_budget(tree, nodes):
     result = run({**ADAPTIVE, "draft_tree": tree})
     assert result.vllm_speculative_config["num_speculative_tokens"] == nodes
     drafter = tree_drafter_settings(result.specx_settings)
-    shape = {"max_nodes": 16, "max_depth": 5, "branching": 4,
-             **(tree if isinstance(tree, dict) else {})}
+    given = tree if isinstance(tree, dict) else {}
+    cap = given.get("max_nodes", 16)
+    shape = {"max_nodes": 16, "max_depth": min(5, cap), "branching": min(4, cap), **given}
     assert (drafter["num_beams"], drafter["num_speculative_tokens"]) == (
         shape["branching"], shape["max_depth"])
     assert "draft_tree" in METHODS["adaptive"].v1_only_reason(result.specx_settings)

@@ -494,7 +494,8 @@ def validate_tree_knob(value: Any) -> list[str]:
 
     Allowed: ``{"paths": [[0], [1], [0, 0], ...]}`` (a static tree, see
     :func:`tree_from_paths`) or a dynamic tree ``{"max_nodes": N, "max_depth": D,
-    "branching": K}`` (each key optional, defaults ``DEFAULT_TREE_KNOB``): N in
+    "branching": K}`` (each key optional, defaults ``DEFAULT_TREE_KNOB``, a default D or K
+    at most the N given): N in
     1..MAX_TREE_NODES, D in 1..min(N, MAX_TREE_DEPTH), K in 1..N.
     """
     key = 'draft_tree'
@@ -514,6 +515,11 @@ def validate_tree_knob(value: Any) -> list[str]:
         return _path_problems(value["paths"], MAX_TREE_NODES, MAX_TREE_DEPTH,
                               f'{key}["paths"]')[0]
     merged = {**DEFAULT_TREE_KNOB, **value}
+    n = merged["max_nodes"]
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+        # A default never exceeds the nodes given: {"max_nodes": 2} is a 2-node tree of
+        # depth <= 2 and branching <= 2 (methods.draft_model_tree reads it the same way).
+        merged = {**{k: min(v, n) for k, v in DEFAULT_TREE_KNOB.items()}, **value}
     problems = []
     limits = {"max_nodes": (1, MAX_TREE_NODES), "max_depth": (1, MAX_TREE_DEPTH),
               "branching": (1, MAX_TREE_NODES)}
