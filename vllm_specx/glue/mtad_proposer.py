@@ -278,8 +278,11 @@ class MTADRound:
                 # 4 requests at max_num_seqs=4). Unverified on a GPU: a guard, not a tuning.
                 # Fewer rows than one request's beams: one pass per beam (rows = requests).
                 group_size = min(group_size, self.max_batch_size // b)
-        forward: _BatchedBeamPasses | _SequentialBeamPasses
-        if group_size >= 1:
+        forward: _BatchedBeamPasses | _SequentialBeamPasses | _SingleBeamPasses
+        if (b == 1 and mapping is None and self.tree_state is None and self.batched_beams
+                and self.reuse_kv_prefix):
+            forward = _SingleBeamPasses(self, cad, sample_positions, base_seq_lens, warp)
+        elif group_size >= 1:
             forward = _BatchedBeamPasses(
                 self, cad, sample_positions, base_seq_lens, k, b, slots, group_size, warp
             )
@@ -521,6 +524,41 @@ class _BatchedBeamPasses:
             return warp(picked)
 
         return beam_logprobs
+
+
+class _SingleBeamPasses:
+    """The beam search's model callback at ``num_beams`` 1: each request's one beam
+    extends its own tail in the request's own lookahead slots, so depth j is one pass
+    feeding every request its newest token at ``P + j`` -- the pass
+    :class:`_BatchedBeamPasses` runs at B = 1, without its slot bookkeeping (which beam
+    holds which slot, what each slot holds, a few host reads per depth), and fed from the
+    device. The same forward inputs, so the same log-probs and drafts."""
+
+    def __init__(
+        self,
+        proposer: MTADRound,
+        cad: CommonAttentionMetadata,
+        sample_positions: torch.Tensor,
+        base_seq_lens: torch.Tensor,
+        warp: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.p = proposer
+        self.lookahead = proposer.lookahead_passes(cad, sample_positions, base_seq_lens)
+        self.num_reqs = cad.batch_size()
+        self.rows = torch.arange(self.num_reqs)
+        self.warp = warp
+        self.tokens = self.passes = self.request_passes = 0
+
+    def __call__(self, state: BeamSearchState) -> BeamLogprobs:
+        tails = state.tokens[:, 0, :]  # [R, j]: each request's one beam
+        j = tails.shape[1]
+        start = torch.full((self.num_reqs,), j - 1, dtype=torch.int64)
+        hidden = self.lookahead.run(self.rows, tails, start)
+        self.tokens += self.num_reqs
+        self.passes += 1
+        self.request_passes += self.num_reqs
+        logprobs = self.warp(self.p.model.compute_logits(hidden))
+        return lambda beam: logprobs
 
 
 class _SequentialBeamPasses:
