@@ -421,6 +421,15 @@ def draft_model_tree_fits(ctx: CheckContext) -> Refusal | None:
         problems = validate_tree_knob(dict(tree))
         if problems:
             return Refusal("draft_tree", shown, problems[0])
+    shape = draft_model_tree(ctx.settings)
+    positions = shape["branching"] * shape["max_depth"] if shape is not None else 0
+    if positions > ctx.limits.max_beam_positions:
+        # The tree is drafted by the MTAD round's beams (branching beams, max_depth deep):
+        # the same device limit as mtad's num_beams * num_speculative_tokens.
+        return Refusal("draft_tree", shown,
+                       f'"branching" * "max_depth" = {positions} exceeds '
+                       f"{ctx.limits.max_beam_positions} on {ctx.device} "
+                       f"({ctx.limits.reason_max_beam_positions})")
     if _device_type(ctx.device) != "cpu":
         return Refusal("draft_tree", shown,
                        f"not on {ctx.device} yet: tree verification runs on vLLM's V1 model "

@@ -94,6 +94,8 @@ def test_adaptive_tree_is_scheduled_as_its_node_budget(tree, nodes):
     ({"max_nodes": 8, "max_depth": 3, "branching": 9}, "cpu", "more children than max_nodes"),
     ({"depth": 3}, "cpu", "unknown keys ['depth']"),
     ({"paths": [[0], [1]]}, "cpu", 'static "paths" trees are not drafted by a draft model'),
+    ({"max_nodes": 64, "max_depth": 16, "branching": 32}, "cpu",
+     '"branching" * "max_depth" = 512 exceeds 256 on cpu'),
     (True, "cuda", "not on cuda yet"),
 ])
 def test_bad_adaptive_trees_are_refused_in_one_line(tree, device, fragment):
