@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from verify_reference import race
 
 from vllm_specx.algorithms.draft_tree import TreeBatch, verify_tree
 
@@ -53,23 +54,6 @@ class TreeCase:
             draft_token_probs=self.draft_token_probs,
             acceptance_threshold=self.acceptance_threshold,
         )
-
-
-def first_argmax(values) -> int:
-    best = 0
-    for i in range(1, len(values)):
-        if values[i] > values[best]:
-            best = i
-    return best
-
-
-def race(dist: np.ndarray, noise: np.ndarray) -> tuple[int, bool]:
-    """Exponential race ``argmax dist / noise``; (winner, runner-up within rounding)."""
-    scores = [float(d) / max(float(e), 1.1754943508222875e-38) for d, e in zip(dist, noise)]
-    winner = first_argmax(scores)
-    best = scores[winner]
-    others = [s for i, s in enumerate(scores) if i != winner]
-    return winner, best > 0 and bool(others) and max(others) >= best * (1 - 1e-5)
 
 
 def reference_verify_tree(case: TreeCase) -> tuple[list[list[int]], list[list[int]], list[bool]]:
