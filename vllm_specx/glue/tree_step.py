@@ -1,7 +1,7 @@
 """Draft trees in vLLM's V1 model runner on CPU: ONE target pass over every request's tree.
 
-A tree drafter (``mtad`` with ``draft_tree``) hands the scheduler each request's tree as
-its draft tokens, flattened in breadth-first order, so the scheduler, the KV-cache
+A tree drafter (``mtad`` or ``adaptive`` with ``draft_tree``) hands the scheduler each
+request's tree as its draft tokens, flattened in breadth-first order, so the scheduler, the KV-cache
 bookkeeping and vLLM's spec-decode counters see a chain of ``n`` drafts (draft count =
 tree size). What makes the step a tree step is done here, around three methods of the
 runner (the ``tree_step_*`` patches below, all no-ops unless the runner carries a
@@ -178,6 +178,11 @@ class TreeState:
             # verified as the chain vLLM scheduled, which is always correct.
             if tokens.shape[0] != n or list(scheduled.get(req_id, [])) != tokens.tolist():
                 continue
+            if _uses_structured_output(runner, req_id):
+                # vLLM's grammar checks the drafts and builds each row's bitmask along the
+                # scheduled chain (BFS order), not along each node's path: verified as that
+                # chain, which is what the bitmask is right for.
+                continue
             if is_chain(parents):
                 continue
             start = int(qsl[r])
@@ -229,6 +234,12 @@ class TreeState:
                     buf[s + 1: s + 1 + a] = tree.tokens[nodes].to(buf.device, buf.dtype)
             runner.positions[s + 1: s + 1 + n] = torch.arange(
                 tree.ctx + 1, tree.ctx + 1 + n, dtype=runner.positions.dtype)
+
+
+def _uses_structured_output(runner: Any, req_id: str) -> bool:
+    state = runner.requests.get(req_id)
+    params = getattr(state, "sampling_params", None)
+    return getattr(params, "structured_outputs", None) is not None
 
 
 def _input_id_buffers(runner: Any) -> list[torch.Tensor]:
