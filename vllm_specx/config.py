@@ -143,6 +143,13 @@ def resolve_method(config: Mapping[str, Any], vllm_methods: Collection[str]) -> 
     return None
 
 
+def _switched_off(key: str, value: Any, owners: list[str]) -> bool:
+    """``value`` is the off value of an on/off knob (e.g. ``"cost_control": false``,
+    ``"draft_tree": false``) for every method that owns ``key``."""
+    return value is False and all(
+        METHODS[m].knob(key).kind in ("bool", "tree") for m in owners)
+
+
 def _or(names: list[str]) -> str:
     quoted = [f"'{n}'" for n in names]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
@@ -252,6 +259,9 @@ def _check_keys(config: Mapping[str, Any], spec: MethodSpec, vllm_fields: Collec
         if key in COMMON_KNOBS or spec.knob(key) is not None or key in PASSTHROUGH_VLLM_KEYS:
             continue
         owners = knob_owners(key)
+        if owners and _switched_off(key, value, owners):
+            # An on/off knob of other methods, turned off: nothing to do here, no error.
+            continue
         if owners:
             raise _bad(key, value, f"it belongs to specx method {_or(owners)}", spec.name)
         if key in CONFLICTING_VLLM_KEYS:

@@ -285,13 +285,25 @@ def test_cost_control_off():
     {"method": "specx_mtp", "cost_control": False},
     {"method": "specx_eagle3", "model": "d", "cost_control": False},
     {"method": "specx_eagle3", "model": "d", "adaptive": False, "cost_control": False},
+    {"method": "mtad", "model": "d", "cost_control": False},  # a knob mtad does not have
 ])
 def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
     # Turning a switch off is never an error: without "adaptive": true every request
     # drafts K and there is no cost control to turn off (the value is carried as given).
     result = run(config)
-    assert result.specx_settings["cost_control"] is False
+    assert result.specx_settings.get("cost_control", False) is False
     assert result.specx_settings.get("adaptive", False) is False
+    assert "cost_control" not in result.vllm_speculative_config
+
+
+def test_another_method_s_switch_turned_on_is_still_refused():
+    for config in ({"method": "mtad", "model": "d", "cost_control": True},
+                   {"method": "specx_eagle3", "model": "d", "draft_tree": True},
+                   {"method": "mtad", "model": "d", "stop_threshold": 0.5}):
+        with pytest.raises(SpecxConfigError, match="belongs to specx method"):
+            run(config)
+    result = run({"method": "specx_eagle3", "model": "d", "draft_tree": False})
+    assert "draft_tree" not in result.specx_settings
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [
