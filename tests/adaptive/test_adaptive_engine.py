@@ -366,22 +366,14 @@ def _exact_three_token_distribution(prompt: list[int]) -> dict[tuple[int, ...], 
     return dist
 
 
-@pytest.mark.parametrize("mode", ["sampled", "greedy"])
-def test_sampled_output_is_distributed_as_the_target(runs, mode):
-    """Chi-square goodness of fit of the engine's 3-token samples against the target's
-    exact distribution, with drafts sampled from q (full-q residual) and with greedy
-    drafts (one-hot residual). Both verification outcomes must have happened."""
+def _chi_square(samples: list, dist: dict) -> tuple[float, list, list]:
+    """Pearson chi-square of ``samples`` against the exact ``dist`` (outcomes expected
+    fewer than 5 times merged into one cell): (p-value, observed, expected)."""
     from scipy.stats import chisquare
 
-    samples = runs["stat_" + mode]
-    c = runs[f"stat_{mode}_counts"]
-    assert 0 < c["accepted"] < c["drafted"]
-    dist = _exact_three_token_distribution(runs["prompts"]["stat"][0])
-    assert set(samples) <= set(dist)  # top-k respected
     counts = {k: 0 for k in dist}
-    for s in samples:
-        counts[s] += 1
-    # Merge outcomes with small expected counts into one cell.
+    for x in samples:
+        counts[x] += 1
     big = [k for k in dist if dist[k] * len(samples) >= 5]
     small = [k for k in dist if k not in big]
     observed = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
@@ -389,6 +381,20 @@ def test_sampled_output_is_distributed_as_the_target(runs, mode):
         [sum(dist[k] for k in small) * len(samples)] if small else [])
     scale = sum(observed) / sum(expected)
     _, p_value = chisquare(observed, [e * scale for e in expected])
+    return p_value, observed, expected
+
+
+@pytest.mark.parametrize("mode", ["sampled", "greedy"])
+def test_sampled_output_is_distributed_as_the_target(runs, mode):
+    """Chi-square goodness of fit of the engine's 3-token samples against the target's
+    exact distribution, with drafts sampled from q (full-q residual) and with greedy
+    drafts (one-hot residual). Both verification outcomes must have happened."""
+    samples = runs["stat_" + mode]
+    c = runs[f"stat_{mode}_counts"]
+    assert 0 < c["accepted"] < c["drafted"]
+    dist = _exact_three_token_distribution(runs["prompts"]["stat"][0])
+    assert set(samples) <= set(dist)  # top-k respected
+    p_value, observed, expected = _chi_square(samples, dist)
     assert p_value > 1e-3, (mode, p_value, observed, expected)
 
 
@@ -425,23 +431,12 @@ def test_cost_control_keeps_greedy_output_while_lengths_change(runs):
 
 def test_cost_control_keeps_the_sampled_distribution(runs):
     """Chi-square as above, the sampled drafts under the cost control's changing lengths."""
-    from scipy.stats import chisquare
-
     samples = runs["stat_cost"]
     c = runs["stat_cost_counts"]
     assert 0 < c["accepted"] < c["drafted"]
     dist = _exact_three_token_distribution(runs["prompts"]["stat"][0])
     assert set(samples) <= set(dist)
-    counts = {k: 0 for k in dist}
-    for x in samples:
-        counts[x] += 1
-    big = [k for k in dist if dist[k] * len(samples) >= 5]
-    small = [k for k in dist if k not in big]
-    observed = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
-    expected = [dist[k] * len(samples) for k in big] + (
-        [sum(dist[k] for k in small) * len(samples)] if small else [])
-    scale = sum(observed) / sum(expected)
-    _, p_value = chisquare(observed, [e * scale for e in expected])
+    p_value, observed, expected = _chi_square(samples, dist)
     assert p_value > 1e-3, (p_value, observed, expected)
 
 
