@@ -385,15 +385,17 @@ def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
         return None
     shape = ('true, false or {"max_nodes": N}: mtad\'s tree is its beams (depth '
              "num_speculative_tokens, branching num_beams)")
+    capped = isinstance(tree, Mapping) and "max_nodes" in tree  # {} is true: every beam
     if isinstance(tree, Mapping):
         if set(tree) - {"max_nodes"}:
             return Refusal("draft_tree", dict(tree), shape)
         n = tree.get("max_nodes")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TREE_NODES:
+        if capped and (isinstance(n, bool) or not isinstance(n, int)
+                       or not 1 <= n <= MAX_TREE_NODES):
             return Refusal("draft_tree", dict(tree),
                            f'"max_nodes" must be an integer from 1 to {MAX_TREE_NODES}')
-    elif (nodes := tree_max_nodes(ctx.settings) or 0) > MAX_TREE_NODES:
-        return Refusal("draft_tree", tree,
+    if not capped and (nodes := tree_max_nodes(ctx.settings) or 0) > MAX_TREE_NODES:
+        return Refusal("draft_tree", tree if isinstance(tree, bool) else dict(tree),
                        f"num_beams * num_speculative_tokens = {nodes} tree nodes exceed "
                        f"{MAX_TREE_NODES}; give {{\"max_nodes\": N}} with N <= {MAX_TREE_NODES}")
     if _device_type(ctx.device) != "cpu":

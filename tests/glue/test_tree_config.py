@@ -21,7 +21,7 @@ def run(config: dict, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("tree, nodes", [(True, 12), ({"max_nodes": 5}, 5),
-                                         ({"max_nodes": 40}, 12)])
+                                         ({"max_nodes": 40}, 12), ({}, 12)])
 def test_vllm_schedules_the_tree_the_drafter_keeps_its_depth(tree, nodes):
     result = run({**BASE, "draft_tree": tree})
     assert result.vllm_speculative_config["num_speculative_tokens"] == nodes
@@ -47,6 +47,8 @@ def test_off_by_default_and_chain_k_unchanged():
     ({"draft_tree": {"max_nodes": 0}}, "cpu", ['"max_nodes" must be an integer from 1 to 64']),
     ({"draft_tree": {"max_nodes": True}}, "cpu", ['"max_nodes" must be an integer']),
     ({"draft_tree": True, "num_beams": 8, "num_speculative_tokens": 9}, "cpu",
+     ["72 tree nodes exceed 64"]),
+    ({"draft_tree": {}, "num_beams": 8, "num_speculative_tokens": 9}, "cpu",
      ["72 tree nodes exceed 64"]),
     ({"draft_tree": True}, "cuda", ["not on cuda yet", "V1 model runner on CPU only"]),
     ({"draft_tree": {"max_nodes": 8}}, "npu", ["not on npu yet"]),
