@@ -206,7 +206,7 @@ class MTADRound:
     @property
     def greedy_chain(self) -> bool:
         """Greedy rows draft the argmax chain (width 1) instead of the B-wide beam search
-        (``greedy_drafting: "chain"``; README "### MTAD": accepted more often at T = 0)."""
+        (``greedy_drafting: "chain"``; docs/methods/mtad.md: accepted more often at T = 0)."""
         return self.settings.get("greedy_drafting", GREEDY_DRAFTING.default) == "chain"
 
     @greedy_chain.setter
