@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_output import without_logging_errors
 from vllm_specx.cli import main as specx_main
 from vllm_specx.fixtures import fixture_model_dirs
 from vllm_specx.training import data as data_mod
@@ -176,7 +177,7 @@ def test_heldout_prompts_that_are_training_prompts_are_refused(tmp_path, capsys)
     (tmp_path / "held.jsonl").write_text(json.dumps(PROMPTS[2]) + "\n")
     assert specx_main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--heldout-prompts" in err and "allowed" in err
+    assert len(without_logging_errors(err)) == 1 and "--heldout-prompts" in err and "allowed" in err
     assert not (tmp_path / "head.work" / "data_shards").exists()
 
 
@@ -191,7 +192,7 @@ def test_device_cuda_without_cuda_is_refused_before_anything_runs(tmp_path, caps
         argv += ["--draft-config", "tiny"]
     assert specx_main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--device cuda" in err and "allowed" in err
+    assert len(without_logging_errors(err)) == 1 and "--device cuda" in err and "allowed" in err
     assert not (tmp_path / "head.work").exists() and not (tmp_path / "head").exists()
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.cli_output import without_logging_errors
 from vllm_specx.cli import main as specx_main
 from vllm_specx.fixtures import fixture_model_dirs, fixtures_root
 from vllm_specx.training.data import model_summary
@@ -74,7 +75,7 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys, extra, message):
     prompts.write_text(json.dumps("def f():\n") + "\n")
     assert specx_main(_argv(prompts, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert message in err and len(without_logging_errors(err)) == 1
     assert not (tmp_path / "out").exists()
 
 
