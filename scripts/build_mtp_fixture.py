@@ -8,7 +8,10 @@ rather than repeats.
 
 The model: ``DeepseekV3ForCausalLM`` with Multi-head Latent Attention at the sizes vLLM's CPU
 MLA backend accepts (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64; block size 16 is forced by
-the platform), everything else tiny: 3 dense layers (``first_k_dense_replace`` past the last
+the platform) and at head sizes vLLM's CUDA MLA backends accept too (``qk_nope_head_dim`` 64,
+``v_head_dim`` 128: the smallest entry of the FLASH_ATTN prefill backend's list, the only
+prefill backend vLLM 0.32 tries on Hopper; the decode backends only need 512 + 64), everything
+else tiny: 3 dense layers (``first_k_dense_replace`` past the last
 layer, so no MoE anywhere), hidden 192, 2 heads, no q LoRA, untied embeddings, vocab 4096; and
 one multi-token-prediction layer (``num_nextn_predict_layers = 1``) stored as
 ``model.layers.3.*`` the way DeepSeek-V3 checkpoints store theirs (``enorm``, ``hnorm``,
@@ -33,6 +36,15 @@ Stages:
     predict the token after next. This is exactly the computation vLLM runs at draft step 1;
     steps 2..K reuse the same layer on its own output (not trained for, measured in the
     report).
+``widen`` (not part of ``all``)
+    Re-express a checkpoint trained at smaller head sizes at this config's
+    ``qk_nope_head_dim`` / ``v_head_dim`` without changing the function it computes: the new
+    query/key and value columns are zeros, and the queries are scaled by
+    ``sqrt(new qk_head_dim / old qk_head_dim)`` so that vLLM's and transformers' softmax scale
+    (``qk_head_dim ** -0.5``) gives the same scores. The committed weights were trained at
+    ``qk_nope_head_dim`` 32 / ``v_head_dim`` 32 (which no CUDA MLA prefill backend accepts) and
+    widened by this stage; ``REPORT.json`` ``stages.widen`` has the largest logit change it
+    measured (float rounding only). A rebuild from scratch trains at the new sizes directly.
 ``report``
     Reload the saved checkpoint, held-out perplexity of the target, and teacher-forced greedy
     agreement of the MTP chain with the target's greedy continuation at depth 1..4 (the
@@ -54,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -68,7 +81,8 @@ import build_fixture_models as pair  # noqa: E402  (the fixture pair's corpus an
 
 REPO_ROOT = pair.REPO_ROOT
 TOKENIZER_SOURCE = REPO_ROOT / "fixtures" / "models" / "target"
-STAGES = ("target", "mtp", "report")
+STAGES = ("target", "mtp", "report")  # what ``all`` runs
+ORDER = ("target", "mtp", "widen", "report")  # ``widen`` only when asked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +92,11 @@ class MtpBuildConfig:
     layers: int = 3
     heads: int = 2
     intermediate: int = 512
-    qk_nope_head_dim: int = 32
-    v_head_dim: int = 32
+    # The smallest (qk_nope, qk_rope, v) head sizes vLLM 0.32's FLASH_ATTN MLA prefill backend
+    # accepts (its supports_mla_dimensions list; tests/mtp/test_mtp_fixture_dims.py reads it),
+    # so the fixture runs with MLA on CUDA too. The first build used 32 / 32 (``widen``).
+    qk_nope_head_dim: int = 64
+    v_head_dim: int = 128
     # Forced by vLLM's CPU_MLA backend (its decode op handles 576-wide latent rows only).
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
@@ -440,6 +457,95 @@ def depth_agreement(
     }
 
 
+def widen_mla_heads(
+    state: dict[str, torch.Tensor],
+    heads: int,
+    rope: int,
+    old: tuple[int, int],
+    new: tuple[int, int],
+) -> dict[str, torch.Tensor]:
+    """``state`` with every MLA layer's (``qk_nope_head_dim``, ``v_head_dim``) = ``old``
+    re-expressed at ``new`` (each at least as large), computing the same function.
+
+    Per head, ``q_proj`` rows are [nope | rope] and ``kv_b_proj`` rows [k_nope | v]; the new
+    nope and v entries are zero rows (so they add nothing to q.k and carry no value), and
+    ``o_proj`` gets zero input columns for the new v entries. Attention scales scores by
+    ``qk_head_dim ** -0.5``, which grows with nope; scaling the queries by the square root of
+    the ratio keeps every score as it was.
+    """
+    (old_nope, old_v), (new_nope, new_v) = old, new
+    if new_nope < old_nope or new_v < old_v:
+        raise ValueError(f"widen: cannot shrink head sizes {old} -> {new}")
+    q_gain = math.sqrt((new_nope + rope) / (old_nope + rope))
+    out = dict(state)
+    for key, w in state.items():
+        if key.endswith("self_attn.q_proj.weight"):
+            w3 = w.reshape(heads, old_nope + rope, -1)
+            wide = w3.new_zeros(heads, new_nope + rope, w3.shape[-1])
+            wide[:, :old_nope] = w3[:, :old_nope]
+            wide[:, new_nope:] = w3[:, old_nope:]
+            out[key] = (wide * q_gain).reshape(heads * (new_nope + rope), -1).contiguous()
+        elif key.endswith("self_attn.kv_b_proj.weight"):
+            w3 = w.reshape(heads, old_nope + old_v, -1)
+            wide = w3.new_zeros(heads, new_nope + new_v, w3.shape[-1])
+            wide[:, :old_nope] = w3[:, :old_nope]
+            wide[:, new_nope : new_nope + old_v] = w3[:, old_nope:]
+            out[key] = wide.reshape(heads * (new_nope + new_v), -1).contiguous()
+        elif key.endswith("self_attn.o_proj.weight"):
+            w3 = w.reshape(w.shape[0], heads, old_v)
+            wide = w3.new_zeros(w.shape[0], heads, new_v)
+            wide[..., :old_v] = w3
+            out[key] = wide.reshape(w.shape[0], heads * new_v).contiguous()
+    return out
+
+
+@torch.no_grad()
+def _probe_logits(path: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target logits, MTP step-1 logits) of the checkpoint in ``path`` on ``ids``."""
+    target = load_target(path)
+    mtp = load_mtp(target, path)
+    hidden, logits = target_hidden(target, ids)
+    draft_logits, _ = mtp_step(mtp, target, ids[:, 1:], hidden[:, :-1])
+    return logits, draft_logits
+
+
+def stage_widen(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+
+    out_dir = paths["target"]
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    old = (config["qk_nope_head_dim"], config["v_head_dim"])
+    new = (cfg.qk_nope_head_dim, cfg.v_head_dim)
+    if config["qk_rope_head_dim"] != cfg.qk_rope_head_dim:
+        raise ValueError("widen: qk_rope_head_dim differs; rope columns cannot be widened")
+    weights = out_dir / "model.safetensors"
+    info: dict[str, Any] = {"from": list(old), "to": list(new),
+                            "weights_bytes_before": weights.stat().st_size}
+    if old == new:
+        return {**info, "changed": False}
+    heldout = torch.load(paths["work"] / "heldout_ids.pt")
+    ids = torch.cat([torch.zeros(1, dtype=heldout.dtype), heldout[:255]])[None].long()
+    before = _probe_logits(out_dir, ids)
+    state = widen_mla_heads(load_file(str(weights)), config["num_attention_heads"],
+                            config["qk_rope_head_dim"], old, new)
+    config.update(qk_nope_head_dim=new[0], v_head_dim=new[1],
+                  qk_head_dim=new[0] + config["qk_rope_head_dim"])
+    save_file(state, str(weights), metadata={"format": "pt"})
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    after = _probe_logits(out_dir, ids)
+    diffs = [float((a - b).abs().max()) for a, b in zip(before, after)]
+    same_argmax = [float((a.argmax(-1) == b.argmax(-1)).float().mean())
+                   for a, b in zip(before, after)]
+    pair.log(f"widen: max |logit change| target {diffs[0]:.2e}, mtp {diffs[1]:.2e}")
+    if max(diffs) > 1e-3:
+        raise RuntimeError(f"widen changed the model's logits by {max(diffs)}")
+    return {**info, "changed": True, "weights_bytes_after": weights.stat().st_size,
+            "probe_tokens": int(ids.shape[1]),
+            "max_abs_logit_change": {"target": diffs[0], "mtp": diffs[1]},
+            "same_argmax": {"target": same_argmax[0], "mtp": same_argmax[1]}}
+
+
 def stage_report(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -467,7 +573,7 @@ def stage_report(cfg: MtpBuildConfig, pcfg: Any, paths: dict[str, Path]) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stage", action="append", choices=[*STAGES, "all"])
+    ap.add_argument("--stage", action="append", choices=[*ORDER, "all"])
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "fixtures" / "models" / "mtp_target")
     ap.add_argument("--work-dir", type=Path, default=REPO_ROOT / ".cache" / "mtp_fixture_build")
     ap.add_argument("--quick", action="store_true")
@@ -482,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     paths: dict[str, Any] = {"target": out, "work": args.work_dir.resolve(), "quick": args.quick}
     report_path = out / "REPORT.json"
     wanted = set(args.stage or ["all"])
-    stages = [s for s in STAGES if "all" in wanted or s in wanted]
+    stages = [s for s in ORDER if ("all" in wanted and s in STAGES) or s in wanted]
 
     work: Path = paths["work"]
     if not (work / "train_ids.pt").exists():
@@ -499,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage in stages:
         t0 = time.time()
         load = [round(x, 2) for x in os.getloadavg()]
-        info = {"target": stage_target, "mtp": stage_mtp, "report": stage_report}[stage](
+        info = {"target": stage_target, "mtp": stage_mtp, "widen": stage_widen,
+                "report": stage_report}[stage](
             cfg, pcfg, paths
         )
         info["seconds"] = round(time.time() - t0, 1)
