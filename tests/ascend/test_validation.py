@@ -118,3 +118,21 @@ def test_pair_note_says_what_is_installed_and_what_it_was_written_against() -> N
     assert "made for vLLM 0.27.1, not 0.32.0" in note
     same = vllm_ascend_pair_note("0.32.0rc1", "0.32.0")
     assert same is not None and "made for" not in same and "unverified" in same
+
+
+@pytest.mark.parametrize("tree, size", [
+    ({"max_nodes": 8, "max_depth": 3, "branching": 2}, "within that limit"),
+    (True, "over that limit"),
+])
+def test_a_draft_tree_is_refused_on_npu_with_the_reason(
+        ascend, specx_mtp_available, tree, size) -> None:
+    """Issue 34 item 4: the tree mask is not routed into vLLM-Ascend's attention, and
+    npu_fused_infer_attention_score verifies at most 16 query tokens per request: one
+    line that says both, with this tree's size against that limit."""
+    message = _refusal(ascend, make_config("mtp", specx={**SPECX_MTP, "draft_tree": tree}))
+    assert message.startswith('speculative_config["draft_tree"] = ')
+    assert 'with method "specx_mtp" on Ascend NPUs yet' in message
+    assert "npu_fused_infer_attention_score" in message
+    assert "tree size + 1 <= 16" in message and size in message, message
+    # The same config without the tree passes.
+    _check(ascend, make_config("mtp", specx={**SPECX_MTP, "draft_tree": False}))

@@ -39,6 +39,9 @@ class DeviceLimits:
     its own). On Ascend, ``npu_fused_infer_attention_score`` takes at most 16 query
     tokens per request per decode step, so K + 1 <= 16.
 
+    ``reason_no_draft_tree``: why a ``draft_tree`` config cannot run here yet ("": it
+    can; the CPU backend, where vllm-specx's CPU attention takes the ancestor masks).
+
     ``max_beam_positions``: largest ``num_beams * num_speculative_tokens`` for MTAD.
     The beam drafter keeps B candidate tails of length up to K per request in one
     draft batch; this caps that batch so one request cannot blow up the draft step.
@@ -48,6 +51,10 @@ class DeviceLimits:
     max_beam_positions: int
     reason_max_num_speculative_tokens: str = ""
     reason_max_beam_positions: str = ""
+    # Draft trees (issues 37 and 34): why this device cannot verify a draft tree yet
+    # ("" = it can). Config validation and the Ascend check put it in their one-line
+    # refusal, so the line names this device's own reason, written in one place.
+    reason_no_draft_tree: str = ""
 
     def speculative_tokens_limit(self) -> tuple[int, str]:
         """The largest K the whole runtime accepts (the device's own limit or the

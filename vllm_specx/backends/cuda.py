@@ -1,8 +1,15 @@
-"""CUDA backend: Triton kernels for verification.
+"""CUDA backend: Triton kernels for verification and for draft-tree attention.
 
-The kernels live in :mod:`vllm_specx.backends.triton_verify` and are imported on the
-first ``verify`` call, so importing this module (config validation does) needs
-neither Triton nor a GPU. ROCm reports device type "cuda" and runs the same kernels.
+The kernels live in :mod:`vllm_specx.backends.triton_verify` and
+:mod:`vllm_specx.backends.triton_tree_attention` and are imported on first use, so
+importing this module (config validation does) needs neither Triton nor a GPU. ROCm
+reports device type "cuda" and runs the same kernels.
+
+Draft trees: :func:`tree_attention` is the one-call-per-layer attention a tree step
+needs on CUDA (tested against the CPU tree attention under the Triton interpreter), but
+no vLLM engine routes a tree step's attention to it yet (that path has not run on a
+GPU), so a ``draft_tree`` config is still refused on CUDA with
+:data:`REASON_NO_DRAFT_TREE`.
 """
 
 from __future__ import annotations
@@ -12,7 +19,14 @@ import torch
 from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.backends.base import Backend, DeviceLimits
 
-__all__ = ["BACKEND", "verify"]
+__all__ = ["BACKEND", "REASON_NO_DRAFT_TREE", "tree_attention", "verify"]
+
+REASON_NO_DRAFT_TREE = (
+    "the Triton tree attention kernel is ready (vllm_specx/backends/"
+    "triton_tree_attention.py, equal to the CPU tree attention under the Triton "
+    "interpreter) but its engine path is not yet validated on a GPU, so tree verification "
+    "runs on vLLM's V1 model runner on CPU only for now"
+)
 
 
 def verify(batch: VerifyBatch) -> torch.Tensor:
@@ -27,6 +41,14 @@ def verify(batch: VerifyBatch) -> torch.Tensor:
     return triton_verify.verify(batch)
 
 
+def tree_attention(*args, **kwargs) -> torch.Tensor:
+    """Tree-masked paged attention in Triton: see
+    :func:`vllm_specx.backends.triton_tree_attention.tree_attention` (same arguments)."""
+    from vllm_specx.backends import triton_tree_attention  # lazy: Triton only when used
+
+    return triton_tree_attention.tree_attention(*args, **kwargs)
+
+
 BACKEND = Backend(
     name="cuda",
     kernel_impl="triton",
@@ -34,6 +56,7 @@ BACKEND = Backend(
         max_num_speculative_tokens=None,
         max_beam_positions=256,
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
+        reason_no_draft_tree=REASON_NO_DRAFT_TREE,
     ),
     verify=verify,
     description="Triton kernels (also run on CPU under TRITON_INTERPRET=1 in tests)",

@@ -32,9 +32,21 @@ from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.algorithms.verify import verify as torch_verify
 from vllm_specx.backends.base import Backend, DeviceLimits
 
-__all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "verify"]
+__all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "REASON_NO_DRAFT_TREE", "verify"]
 
 ASCEND_MAX_QUERY_TOKENS = 16  # npu_fused_infer_attention_score, TND layout
+
+# Draft trees on Ascend: decided NOT to route the tree mask (issue 34, item 4). The mask
+# would have to reach npu_fused_infer_attention_score through vLLM-Ascend's attention
+# metadata builders, which only the fakes could test here, and a tree of more than 15
+# nodes could not be verified there at all; a refusal that says so is honest, a hook
+# no NPU has run is not.
+REASON_NO_DRAFT_TREE = (
+    "vLLM-Ascend's attention (npu_fused_infer_attention_score) is not given the tree's "
+    "ancestor mask by vllm-specx, and it verifies at most 16 query tokens per request per "
+    "step, so a tree there would need tree size + 1 <= 16 (as K + 1 <= 16 for a chain); "
+    "tree verification runs on vLLM's V1 model runner on CPU only"
+)
 
 
 def verify(batch: VerifyBatch) -> torch.Tensor:
@@ -57,6 +69,7 @@ BACKEND = Backend(
             "the beam drafter batches num_beams * K tails per request and Ascend graph "
             "capture sizes grow with it"
         ),
+        reason_no_draft_tree=REASON_NO_DRAFT_TREE,
     ),
     verify=verify,
     description="torch ops that torch_npu supports; no Triton",

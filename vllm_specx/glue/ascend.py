@@ -18,8 +18,9 @@ apply where vLLM-Ascend is not the platform):
 
 * ``ascend_specx_validation`` -- ``NPUPlatform.check_and_update_config``: refuses, before
   the engine starts and in one line, what cannot run on NPU (a method without an NPU
-  drafter, settings the NPU drafter lacks, full-graph capture sizes that are not
-  multiples of K + 1, vLLM-Ascend settings that replace verification, 310P, runner V2);
+  drafter, settings the NPU drafter lacks, a draft tree, full-graph capture sizes that
+  are not multiples of K + 1, vLLM-Ascend settings that replace verification, 310P,
+  runner V2);
 * ``ascend_proposer_dispatch`` -- ``NPUModelRunner._get_drafter``: a specx method gets
   the proposer its :class:`~vllm_specx.methods.MethodSpec` names in ``npu_proposer``;
   vLLM-Ascend's own methods reach the original untouched;
@@ -36,6 +37,7 @@ Written against vLLM-Ascend :data:`ASCEND_MIRROR` and checked with the fakes in
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from typing import Any
 
@@ -139,10 +141,31 @@ def ascend_setting_refusal(additional_config: dict[str, Any] | None) -> str | No
     return None
 
 
+def draft_tree_refusal(spec: MethodSpec, settings: dict[str, Any]) -> str | None:
+    """A ``draft_tree`` config on NPU: refused in one line with the npu backend's reason
+    (the tree mask is not routed into vLLM-Ascend's attention; tree size + 1 <= 16 there)
+    and this tree's size, or None without a tree."""
+    tree = settings.get("draft_tree")
+    if tree in (None, False):
+        return None
+    from vllm_specx.backends.npu import ASCEND_MAX_QUERY_TOKENS, BACKEND
+    from vllm_specx.methods import tree_max_nodes
+
+    nodes = tree_max_nodes(settings)
+    size = "" if nodes is None else (
+        f" (this tree: up to {nodes} nodes + the root = {nodes + 1} query tokens, "
+        f"{'within' if nodes + 1 <= ASCEND_MAX_QUERY_TOKENS else 'over'} that limit)")
+    return (f'speculative_config["draft_tree"] = {json.dumps(tree)} is not allowed with method '
+            f'"{spec.name}" on Ascend NPUs yet: {BACKEND.limits.reason_no_draft_tree}{size}; '
+            "drop draft_tree to verify a chain.")
+
+
 def validate_on_ascend(vllm_config: Any, settings: dict[str, Any]) -> None:
     """Every Ascend-only refusal, in order; the first raises :class:`SpecxConfigError`."""
     spec = METHODS[settings["method"]]
     refusal = npu_method_refusal(spec, settings)
+    if refusal is None:
+        refusal = draft_tree_refusal(spec, settings)
     if refusal is None:
         refusal = ascend_setting_refusal(getattr(vllm_config, "additional_config", None))
     if refusal is None and getattr(vllm_config, "use_v2_model_runner", False):
