@@ -105,7 +105,7 @@ def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, he
     query = torch.randn(sum(q_lens), num_heads, head, generator=gen).to(dtype)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     trees = {r: ancestor_mask(p) for r, (_, p) in enumerate(spec) if isinstance(p, list)}
-    return dict(spec=spec, q_lens=q_lens, query=query, key_cache=key_cache,
+    return dict(spec=spec, q_lens=q_lens, query=query, kv=kv, key_cache=key_cache,
                 value_cache=value_cache, qsl=qsl, table=table, trees=trees,
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), scale=head ** -0.5)
 
