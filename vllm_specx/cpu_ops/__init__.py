@@ -63,12 +63,9 @@ def _load_compiled_kernels() -> None:
 
 
 def _compiled_cpu_attention_present() -> bool:
-    import torch
+    from vllm_specx.cpu_ops.compiled_ops import compiled_op_present
 
-    has_kernel = getattr(torch._C, "_dispatch_has_kernel", None)  # private; may go away
-    if has_kernel is not None and has_kernel(f"_C::{SENTINEL_OP}"):
-        return True
-    return hasattr(torch.ops._C, SENTINEL_OP)
+    return compiled_op_present(SENTINEL_OP)
 
 
 def implementations() -> dict[str, Callable[..., Any]]:

@@ -159,9 +159,10 @@ def _f_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 def _sgl_kernel_missing(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
 
-    has_kernel = getattr(torch._C, "_dispatch_has_kernel", None)
-    compiled = bool(has_kernel("_C::convert_weight_packed")) if has_kernel else False
-    return not compiled and check_cpu_sgl_kernel(out_features, in_features, dtype)
+    from vllm_specx.cpu_ops.compiled_ops import compiled_op_present
+
+    return (not compiled_op_present("convert_weight_packed")
+            and check_cpu_sgl_kernel(out_features, in_features, dtype))
 
 
 def _zentorch_platform() -> bool:

@@ -32,6 +32,12 @@ Patches (name -- scope -- what in vLLM changes):
   ``GPUModelRunner.take_draft_token_ids`` (when vLLM imports it)
 * v2_specx_sampler -- always -- Model Runner V2's ``GPUModelRunner.load_model`` (when vLLM
   imports it)
+* v2_tree_step_inputs -- always -- Model Runner V2's ``GPUModelRunner.prepare_attn`` (when
+  vLLM imports it)
+* v2_tree_step_forward -- always -- Model Runner V2's ``GPUModelRunner.execute_model`` (when
+  vLLM imports it)
+* v2_tree_step_compaction -- always -- Model Runner V2's ``GPUModelRunner.sample`` (when vLLM
+  imports it)
 * cpu_adapter_compute_slot_mapping_kernel -- cpu-reference --
   ``cpu_triton_utils._compute_slot_mapping_kernel_impl``
 * cpu_adapter_expand_kernel -- cpu-reference -- ``cpu_triton_utils._expand_kernel_impl``
@@ -388,7 +394,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 ("vllm_specx/cpu_ops/__init__.py",),
                 "lets a compiled CPU build load before deciding to register reference ops"),
     PrivateName("torch._C", "_dispatch_has_kernel", "attribute",
-                ("vllm_specx/cpu_ops/__init__.py",),
+                ("vllm_specx/cpu_ops/compiled_ops.py",),
                 "torch's, not vLLM's: detects a compiled _C op (hasattr is the fallback)"),
     PrivateName("torch:ops.mkldnn", "_reorder_linear_weight", "attribute",
                 ("vllm_specx/cpu_ops/linear.py",),
