@@ -58,9 +58,10 @@ N_STAT_COST = 400
 class ScriptedRates:
     """Stands in for the cost control's acceptance history (``history.rates``): request
     ``i`` (by prompt order) looks good on the steps where ``(step + i) % 3 == 0`` and
-    hopeless otherwise, and every request looks hopeless on each fourth step: lengths then
-    change from step to step, some steps draft for only some requests and some for none,
-    whatever the timing."""
+    hopeless otherwise, and every request looks hopeless on each fourth step and on runs of
+    four steps (8-11 of every 16): lengths then change from step to step, some steps draft
+    for only some requests and some for none (one, or several in a row: the drafter's
+    skipped first passes leave draft KV to catch up), whatever the timing."""
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -73,7 +74,8 @@ class ScriptedRates:
         out = np.full((len(req_ids), self.k), 0.02)
         for row, rid in enumerate(req_ids):
             i = int(rid.rsplit("-", 1)[0]) % 4
-            if self.step % 4 != 3 and (self.step + i) % 3 == 0:
+            idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
+            if not idle and (self.step + i) % 3 == 0:
                 out[row] = 0.95
         return out
 
@@ -98,6 +100,7 @@ def _inject_cost_control(drafter: Any) -> Any:
 class Round:
     req_ids: list[str]
     lengths: list[int]
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +117,8 @@ class Recorder:
         def propose(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             ids = [r.rsplit("-", 1)[0] for r in self.runner.input_batch.req_ids[: len(out)]]
-            self.rounds.append(Round(ids, [len(d) for d in out]))
+            self.rounds.append(Round(ids, [len(d) for d in out],
+                                     [[int(t) for t in d] for d in out]))
             return out
 
         drafter.propose = propose
@@ -233,6 +237,16 @@ def runs() -> dict[str, Any]:
         control = _inject_cost_control(runner.drafter)
         out["cost_short"] = counted(
             "cost_short", lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
+        out["idle_first_pass"] = dict(runner.drafter.kv_holes().as_dict())
+        # The same steps again with every first pass run (the same scripted plans): the
+        # drafts must be the same token for token, i.e. the catch-up restored the draft KV
+        # the skipped first passes did not write.
+        control.history.rates = ScriptedRates(K_MAX)
+        runner.drafter.skips_idle_first_pass = False
+        out["cost_short_no_skip"] = counted(
+            "cost_short_no_skip",
+            lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
+        del runner.drafter.skips_idle_first_pass
         out["cost_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
         out["cost_stops"] = output_ids(generate(llm, prompts["short"], [
             greedy(1), greedy(2), greedy(5), greedy(K_MAX + 1)]))
@@ -427,6 +441,28 @@ def test_cost_control_keeps_greedy_output_while_lengths_change(runs):
     assert c["drafts"] == sum(n > 0 for n in scheduled)  # a zero-length draft is no draft
     s = runs["cost_stats"]
     assert s["steps"] > 0 and s["all_zero_steps"] > 0 and s["partial_zero_steps"] > 0
+
+
+def test_steps_where_nobody_drafts_skip_the_drafter_and_catch_its_kv_up(runs):
+    """A step where cost control plans no drafts for anyone skips the drafter's first pass
+    (a plain decode step); the draft KV it did not write is fed before the next first pass
+    that runs. Proof: the drafts of every round, with runs of several skipped steps in
+    between, equal token for token those of the same plans with every first pass run
+    (without the catch-up they differ), and greedy output equals no speculation."""
+    holes = runs["idle_first_pass"]
+    assert holes["skipped_first_passes"] > 0
+    # Holes of several positions (runs of skipped steps), caught up in few passes.
+    assert holes["catch_up_tokens"] > holes["catch_up_passes"] > 0
+    assert runs["cost_short_no_skip"] == runs["cost_short"] == runs["plain_short"]
+
+    def rounds(name: str) -> list[tuple[list[int], list[list[int]]]]:
+        # Request ids relative to the run's first (each generate call numbers afresh).
+        first = min(int(i) for r in runs[name] for i in r.req_ids)
+        return [([int(i) - first for i in r.req_ids], r.drafts) for r in runs[name]]
+
+    skip, no_skip = rounds("cost_short_rounds"), rounds("cost_short_no_skip_rounds")
+    assert sum(not any(d) for _, d in skip) > 1
+    assert skip == no_skip
 
 
 def test_cost_control_keeps_the_sampled_distribution(runs):

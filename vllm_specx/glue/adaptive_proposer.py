@@ -33,6 +33,10 @@ from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 class AdaptiveProposer(ChainDrafter, SpecxDraftModelProposer):
     """Chain drafting with a per-request stop and a shrinking batch. See the module doc."""
 
+    # A draft model's first pass reads only token ids: a step where cost control plans
+    # no drafts skips it, and the next first pass catches the draft KV up.
+    skips_idle_first_pass = True
+
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
         refuse_unsupported_options(

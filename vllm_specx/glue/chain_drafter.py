@@ -138,6 +138,9 @@ class ChainRound:
         stats = self.stats.as_dict()
         if self._cost_control is not None:
             stats["cost_control"] = self._cost_control.describe()
+            holes = getattr(self, "_kv_holes", None)
+            if holes is not None:
+                stats["cost_control"]["idle_first_pass"] = holes.as_dict()
         return stats
 
     # -- hooks ------------------------------------------------------------------------
@@ -161,6 +164,27 @@ class ChainRound:
             configured = self.settings.get("num_speculative_tokens") or k_max
             self._cost_control = CostControl(max(int(configured), k_max))
         return self._cost_control
+
+    def plan_before_first_pass(
+        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
+        target_tokens: int, may_skip: Any,
+    ) -> Any:
+        """The cost control's plan, made before the first pass (V1 drafters that skip an
+        idle first pass, ``skips_idle_first_pass``): the step's cost then splits into the
+        target side and a round that includes the first pass, so the control weighs the
+        first pass against what drafting brings. All zero and ``may_skip()``: the step
+        is a plain decode step (the caller skips the first pass); all zero otherwise:
+        the round runs the first pass and drafts nothing."""
+        control = self.cost_control(k)
+        if control is None:
+            return None
+        control.begin(req_ids, num_rejected, target_tokens)
+        plan = control.plan(req_ids, k, self.stop_rule(k), self.device)
+        if not bool(plan.caps.any()) and may_skip():
+            plan.skip_first_pass = True
+            self.stats.record([0] * len(req_ids), k, 0, 0, 0)
+            control.end(req_ids, [0] * len(req_ids), 0, 0)
+        return plan
 
     def read_pass(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(what the LM head reads, what the acceptance head reads) of a pass's output
@@ -195,7 +219,8 @@ class ChainRound:
         control = self.cost_control(k_max)
         req_ids = start.req_ids
         if control is not None:
-            control.begin(req_ids, start.num_rejected, start.target_tokens)
+            if start.plan is None:
+                control.begin(req_ids, start.num_rejected, start.target_tokens)
             if req_ids is None:
                 req_ids = tuple(str(r) for r in range(num_reqs))
         lm_in, head_in = self.read_pass(start.out)
@@ -213,7 +238,7 @@ class ChainRound:
         rule = self.stop_rule(k_max)
         caps = None
         if control is not None:
-            plan = control.plan(req_ids, k_max, rule, device)
+            plan = start.plan or control.plan(req_ids, k_max, rule, device)
             rule, caps = plan.rule, plan.caps
         state = rule.start(num_reqs, device)
         # The drafts stay on the device while the round runs and are read once, after it:

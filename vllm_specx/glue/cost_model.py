@@ -6,8 +6,11 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
 
 * the **target side** of a step: the wall time from the end of one drafting round to the
   start of the next, i.e. scheduling, the target's forward over ``B`` requests verifying
-  ``S`` draft tokens, sampling and bookkeeping, and the drafter's first pass (which runs
-  for every step anyway: it keeps the draft's KV cache in sync). Fitted as
+  ``S`` draft tokens, sampling and bookkeeping, and, for a drafter that runs its first
+  pass every step (EAGLE / MTP heads: it keeps their state in sync), that first pass. A
+  draft model's round starts before its first pass instead (``plan_before_first_pass``
+  in ``glue/chain_drafter.py``): a step where nobody drafts skips the pass, so the
+  pass belongs to the round's ``any draft`` term. Fitted as
   ``a + b * B + c * S`` over decode steps (steps with prefill tokens are skipped, and an
   interval far above the model, such as the idle gap between two ``generate`` calls, is
   dropped);
@@ -178,6 +181,9 @@ class RoundPlan:
     rule: DraftStopRule
     caps: torch.Tensor  # [R] int64, host: the most each request may draft (0: nothing)
     rate: float  # the plan's expected tokens per second (per unit of the cost model)
+    # Set by a drafter that planned before its first pass: nobody drafts and the first
+    # pass is skipped (glue/draft_passes.py, DraftKVHoles).
+    skip_first_pass: bool = False
 
 
 @dataclass

@@ -25,9 +25,11 @@ vLLM private names relied on here: ``DraftModelProposer.set_inputs_first_pass``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -97,6 +99,9 @@ class RoundStart:
     req_ids: tuple[str, ...] | None = None
     num_rejected: torch.Tensor | None = None
     target_tokens: int | None = None
+    # The round's plan when the drafter made it before the first pass
+    # (:meth:`SpecxPasses.plan_before_first_pass`); None: the round plans for itself.
+    plan: Any = None
 
     def no_drafts(self) -> torch.Tensor:
         """The ``[R, 0]`` drafts of a round with K = 0 (vLLM's proposers return that)."""
@@ -116,6 +121,12 @@ class SpecxPasses(SpecDecodeBaseProposer):
     """
 
     settings: dict[str, Any]
+    # True: a step whose plan (made before the first pass) drafts nothing for anyone skips
+    # the first pass too, and the draft KV it would have written is caught up
+    # (:class:`DraftKVHoles`) before the next first pass that runs. Only a drafter whose
+    # first pass reads nothing but token ids can catch up (a draft model); an EAGLE or
+    # MTP head reads the target's hidden states of those positions, which are gone.
+    skips_idle_first_pass: bool = False
 
     def propose(  # type: ignore[override]
         self,
@@ -142,6 +153,24 @@ class SpecxPasses(SpecDecodeBaseProposer):
         self._last_draft_probs = None
         num_reqs = common_attn_metadata.batch_size()
         target_tokens = int(common_attn_metadata.num_actual_tokens)
+        runner = getattr(self, "runner", None)
+        req_ids = (tuple(runner.input_batch.req_ids[:num_reqs])
+                   if runner is not None and hasattr(runner, "input_batch") else None)
+        plan = None
+        holes = self.kv_holes() if self.skips_idle_first_pass and req_ids is not None else None
+        if holes is not None and k > 0:
+            first_pos = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+            query_lens = (common_attn_metadata.query_start_loc_cpu[1:num_reqs + 1]
+                          - common_attn_metadata.query_start_loc_cpu[:num_reqs]).numpy()
+            plan = self.plan_before_first_pass(
+                k, req_ids, num_rejected_tokens_gpu, target_tokens,
+                lambda: holes.may_skip(req_ids, first_pos, query_lens))
+            if plan is not None and plan.skip_first_pass:
+                # Nobody drafts: a plain decode step, the drafter does no work at all.
+                holes.skip(req_ids, first_pos)
+                return [[] for _ in range(num_reqs)]
+            holes.catch_up(self, common_attn_metadata, req_ids, first_pos,
+                           runner.input_batch.token_ids_cpu)
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
@@ -167,13 +196,31 @@ class SpecxPasses(SpecDecodeBaseProposer):
         base_seq_lens = cad.seq_lens
         if num_rejected_tokens_gpu is not None:
             base_seq_lens = base_seq_lens - num_rejected_tokens_gpu
-        runner = getattr(self, "runner", None)
-        req_ids = (tuple(runner.input_batch.req_ids[:num_reqs])
-                   if runner is not None and hasattr(runner, "input_batch") else None)
         start = RoundStart(k, num_reqs, out[token_indices_to_sample], sample_positions, cad,
                            int(num_tokens), base_seq_lens, req_ids, num_rejected_tokens_gpu,
-                           target_tokens)
+                           target_tokens, plan)
         return self.draft_round(start, sampling_metadata)
+
+    def kv_holes(self) -> DraftKVHoles:
+        """The drafter's record of draft KV that skipped first passes did not write."""
+        holes = getattr(self, "_kv_holes", None)
+        if holes is None:
+            cache = getattr(getattr(self, "vllm_config", None), "cache_config", None)
+            holes = self._kv_holes = DraftKVHoles(
+                self.block_size, bool(getattr(cache, "enable_prefix_caching", True)))
+        return holes
+
+    def plan_before_first_pass(
+        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
+        target_tokens: int, may_skip: Any,
+    ) -> Any:
+        """The round's plan made before its first pass (a ``RoundPlan``:
+        ``skip_first_pass`` skips it, nobody drafts), or None (no plan: the first pass
+        runs and the round plans for itself). ``may_skip()`` says whether the first pass
+        may be skipped at all this step (:meth:`DraftKVHoles.may_skip`). Drafters that
+        plan (cost control) override it; the plan then reaches :meth:`draft_round` as
+        ``start.plan``."""
+        return None
 
     def draft_round(
         self, start: RoundStart, sampling_metadata: SamplingMetadata
@@ -341,3 +388,98 @@ class LookaheadPasses:
         )
         last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
         return hidden_states[last]
+
+
+class DraftKVHoles:
+    """Draft KV that skipped first passes did not write, per request, and the catch-up
+    pass that writes it (issue 32: a step where nobody drafts costs a plain decode step).
+
+    A draft model's first pass writes the draft KV of every position the target computed
+    that step and of the token the target just emitted. A skipped first pass leaves the
+    positions from that step's first query token on unwritten (the record keeps, per
+    request id, the first such position ``h``; it is conservative: the last round's
+    lookahead passes may have written some of them already). Before the next first pass
+    that runs, one pass feeds each such request its committed tokens at ``h .. Q-1``
+    (``Q``: the first position of the step's target query, from where the first pass
+    itself feeds), the way a chunked prefill would: the draft then reads exactly the KV
+    it would have had without the skip.
+
+    With prefix caching, vLLM caches a block once the target has computed all of it, and
+    another request (a chat's next turn) may reuse it, draft KV included: a skip is
+    refused for a step in which any request's hole would reach the end of its block, so
+    no cached block lacks draft KV (the drafter then runs at least one first pass per
+    block and request while nobody drafts).
+    """
+
+    def __init__(self, block_size: int, prefix_caching: bool) -> None:
+        self.block_size = max(int(block_size), 1)
+        self.prefix_caching = prefix_caching
+        self.start: dict[str, int] = {}  # request id -> first position without draft KV
+        self.skipped_first_passes = 0
+        self.refused_skips = 0  # all-zero steps that ran the first pass (block ends)
+        self.catch_up_passes = 0
+        self.catch_up_tokens = 0
+
+    def may_skip(self, req_ids: Sequence[str], first_pos: np.ndarray,
+                 query_lens: np.ndarray) -> bool:
+        """Whether this step's first pass may be skipped: with prefix caching, no request's
+        hole (existing, or starting at this step's first query token) may reach the end of
+        its block in this step (the target computes up to ``first_pos + query_lens - 1``)."""
+        if self.prefix_caching:
+            bs = self.block_size
+            for rid, q, n in zip(req_ids, first_pos.tolist(), query_lens.tolist()):
+                h = self.start.get(rid, q)
+                if (q + n) // bs != h // bs:
+                    self.refused_skips += 1
+                    return False
+        return True
+
+    def skip(self, req_ids: Sequence[str], first_pos: np.ndarray) -> None:
+        """This step's first pass is skipped: the positions from each request's first query
+        token on lack draft KV (unless an earlier skip's hole already starts before)."""
+        for rid, q in zip(req_ids, first_pos.tolist()):
+            self.start.setdefault(rid, int(q))
+        self.skipped_first_passes += 1
+        if len(self.start) > 4 * max(len(req_ids), 64):
+            # Finished requests never come back: keep the batch's.
+            self.start = {r: self.start[r] for r in req_ids if r in self.start}
+
+    def catch_up(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
+                 req_ids: Sequence[str], first_pos: np.ndarray,
+                 token_ids_cpu: np.ndarray) -> None:
+        """Before a first pass: write the missing draft KV of the batch's requests in one
+        pass (``LookaheadPasses`` over the target's attention metadata ``cad``, each row fed
+        its committed tokens right-aligned so its last one sits just before ``Q``)."""
+        if not self.start:
+            return
+        rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, rid in enumerate(req_ids):
+            h = self.start.pop(rid, None)
+            q = int(first_pos[i])
+            if h is not None and h < q:
+                rows.append(i)
+                spans.append((h, q))
+        if not rows:
+            return
+        lens = torch.tensor([q - h for h, q in spans], dtype=torch.int64)
+        j = int(lens.max())
+        tails = torch.zeros(len(rows), j, dtype=torch.int64)
+        for r, (i, (h, q)) in enumerate(zip(rows, spans)):
+            tails[r, j - (q - h):] = torch.from_numpy(token_ids_cpu[i, h:q].astype(np.int64))
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        # LookaheadPasses feeds row r at positions P_r + 1 + col (col >= start_r) over a
+        # sequence of P_r + 1 + j: P_r = Q_r - 1 - j puts the last token at Q_r - 1.
+        base = torch.zeros(len(req_ids), dtype=torch.int64)
+        base[rows_t] = torch.tensor([q - j for _, q in spans], dtype=torch.int64)
+        device = cad.seq_lens.device
+        passes = LookaheadPasses(proposer, cad, (base - 1).to(device), base.to(device))
+        passes.run(rows_t, tails, j - lens)
+        self.catch_up_passes += 1
+        self.catch_up_tokens += int(lens.sum())
+
+    def as_dict(self) -> dict[str, int]:
+        return {"skipped_first_passes": self.skipped_first_passes,
+                "all_zero_steps_that_ran_it": self.refused_skips,
+                "catch_up_passes": self.catch_up_passes,
+                "catch_up_tokens": self.catch_up_tokens}
