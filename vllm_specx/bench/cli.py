@@ -4,6 +4,8 @@
     vllm-specx bench --pair fixture                    # the tests' tiny fixture pair
     vllm-specx bench --config '{"method": "mtad", "num_beams": 8, "name": "mtad B=8"}'
     vllm-specx bench --target T --draft D --prompts p.jsonl --max-tokens 128 -o out/r.json
+    vllm-specx bench --batch-sizes 1,8,32              # speed-up against batch size, cost
+                                                       # control on and off (bench/sweep.py)
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "'{\"enforce_eager\": false, \"max_model_len\": 2048}' (defaults: "
                    "vllm_specx.engine.CPU_ENGINE_DEFAULTS; dtype bfloat16 on a CPU with "
                    "native bfloat16, else float32, or $VLLM_SPECX_CPU_DTYPE)")
+    p.add_argument("--batch-sizes", type=str, default=None, metavar="B1,B2,...",
+                   help="sweep: the benchmark once per batch size (max_num_seqs = B, at "
+                   "least B prompts: the prompt set repeated), every configuration under "
+                   "cost control also with \"cost_control\": false; writes each batch "
+                   "size's report as STEM_bB.json and the speed-up against batch size as "
+                   "STEM_batch_sweep.csv / .png / .md (docs/cost-control.md)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     p.set_defaults(func=cmd_bench)
@@ -148,6 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     failed (the others are still reported), 2 on bad arguments."""
     try:
         engine_overrides = _engine_overrides(args)
+        batch_sizes = _batch_sizes(args, engine_overrides)
         pair = _pair(args)
         parsed = _parsed_configs(args, pair)
         target, draft = _models(args, pair, parsed, engine_overrides)
@@ -174,6 +183,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ),
         engine_overrides=engine_overrides,
     )
+    if batch_sizes:
+        return _run_sweep(opts, batch_sizes, args.output, plots=not args.no_plots)
     report = run_benchmark(opts, log=_log)
     _write_outputs(report, args.output, plots=not args.no_plots)
     failed = [c["name"] for c in report["configs"] if "error" in c]
@@ -199,6 +210,64 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
         raise _BadArguments("--engine-args must be a JSON object")
     engine_overrides.setdefault("seed", args.seed)
     return engine_overrides
+
+
+def _batch_sizes(args: argparse.Namespace, engine_overrides: dict[str, Any]) -> list[int]:
+    """``--batch-sizes`` as a list (empty without it); it sets max_num_seqs itself."""
+    if not args.batch_sizes:
+        return []
+    from vllm_specx.bench.sweep import parse_batch_sizes
+
+    try:
+        sizes = parse_batch_sizes(args.batch_sizes)
+    except ValueError as exc:
+        raise _BadArguments(str(exc)) from None
+    if "max_num_seqs" in engine_overrides:
+        raise _BadArguments("--batch-sizes sets max_num_seqs for each run: leave it out of "
+                            "--engine-args")
+    return sizes
+
+
+def _run_sweep(opts: Any, batch_sizes: list[int], out: Path, *, plots: bool) -> int:
+    """The benchmark at each batch size (cost-controlled configurations twice: on and
+    off), each batch size's outputs as ``STEM_bB.*``, then the sweep's table, CSV and
+    plot (``bench/sweep.py``)."""
+    from dataclasses import replace
+
+    from vllm_specx.bench.core import run_benchmark
+    from vllm_specx.bench.report import _subtitle
+    from vllm_specx.bench.sweep import (
+        prompts_for_batch,
+        sweep_rows,
+        sweep_table,
+        with_control_twins,
+        write_sweep_csv,
+        write_sweep_plot,
+    )
+
+    configs = with_control_twins(opts.configs)
+    stem = out.with_suffix("")
+    reports: dict[int, dict[str, Any]] = {}
+    for b in batch_sizes:
+        _log(f"[bench] batch size {b}: {len(configs)} configurations")
+        run_opts = replace(opts, configs=configs, prompts=prompts_for_batch(opts.prompts, b),
+                           engine_overrides={**opts.engine_overrides, "max_num_seqs": b})
+        reports[b] = run_benchmark(run_opts, log=_log)
+        _write_outputs(reports[b], stem.with_name(f"{stem.name}_b{b}.json"), plots=plots)
+    rows = sweep_rows(reports)
+    table = sweep_table(rows)
+    md_path = stem.with_name(stem.name + "_batch_sweep.md")
+    md_path.write_text(table, encoding="utf-8")
+    written = [md_path, write_sweep_csv(rows, stem)]
+    if plots:
+        written.append(write_sweep_plot(rows, stem, _subtitle(reports[batch_sizes[-1]])))
+    print(table)
+    _log("[bench] wrote " + ", ".join(str(p) for p in written))
+    failed = sorted({r["name"] for r in rows if r.get("error")})
+    if failed:
+        _log(f"[bench] configurations that failed: {failed}")
+        return 1
+    return 0
 
 
 def _pair(args: argparse.Namespace) -> str:
