@@ -65,7 +65,7 @@ def _load_compiled_kernels() -> None:
 def _compiled_cpu_attention_present() -> bool:
     from vllm_specx.cpu_ops.compiled_ops import compiled_op_present
 
-    return compiled_op_present(SENTINEL_OP)
+    return compiled_op_present(SENTINEL_OP, schema_counts=True)
 
 
 def implementations() -> dict[str, Callable[..., Any]]:

@@ -161,7 +161,7 @@ def _sgl_kernel_missing(out_features: int, in_features: int, dtype: torch.dtype)
 
     from vllm_specx.cpu_ops.compiled_ops import compiled_op_present
 
-    return (not compiled_op_present("convert_weight_packed")
+    return (not compiled_op_present("convert_weight_packed", schema_counts=False)
             and check_cpu_sgl_kernel(out_features, in_features, dtype))
 
 
