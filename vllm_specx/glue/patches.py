@@ -26,6 +26,7 @@ from vllm_specx.glue.parallelism import parallelism_refusal
 from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.glue.tree_step import TREE_STEP_PATCHES
 from vllm_specx.glue.v2_patches import V2_PATCHES
+from vllm_specx.glue.v2_tree_step import V2_TREE_STEP_PATCHES
 from vllm_specx.methods import METHODS, tree_on
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
@@ -373,6 +374,7 @@ ALL_PATCHES: tuple[VllmPatch, ...] = (
     BeamScratchReservation(),
     *TREE_STEP_PATCHES,  # draft trees on the V1 runner (glue/tree_step.py)
     *V2_PATCHES,  # Model Runner V2 (glue/v2_patches.py)
+    *V2_TREE_STEP_PATCHES,  # draft trees on Model Runner V2 (glue/v2_tree_step.py)
 )
 
 

@@ -67,9 +67,18 @@ def install_specx_components(runner: Any, settings: dict[str, Any]) -> None:
 
 def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
     """Draft trees (glue/tree_step.py): one shared state for the drafter, the sampler and
-    the runner's tree-step patches. Config validation refused every non-CPU device; this
-    refuses a CPU engine whose attention is not vllm-specx's (vLLM's compiled CPU build
-    takes no ancestor mask, so a tree would be attended causally: wrong outputs)."""
+    the runner's tree-step patches."""
+    state = new_tree_state(runner, settings)
+    runner.drafter.tree_state = state
+    runner.rejection_sampler.tree_state = state
+
+
+def new_tree_state(runner: Any, settings: dict[str, Any]) -> Any:
+    """The runner's :class:`~vllm_specx.glue.tree_step.TreeState` (``runner.specx_tree_state``,
+    read by the tree-step patches of V1 and V2), after the checks config validation
+    cannot make: it refused every non-CPU device; this refuses a CPU engine whose
+    attention is not vllm-specx's (vLLM's compiled CPU build takes no ancestor mask, so a
+    tree would be attended causally: wrong outputs) and a sliding-window target."""
     from vllm_specx.cpu_ops import registered_release
     from vllm_specx.glue.tree_step import TreeState
 
@@ -80,7 +89,7 @@ def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
         raise SpecxConfigError(
             f'speculative_config["draft_tree"] = {settings.get("draft_tree")!r} is not '
             f"allowed for method '{settings['method']}' on {where}: tree verification runs "
-            "on vLLM's V1 model runner on CPU with vllm-specx's CPU attention only."
+            "on CPU with vllm-specx's CPU attention only (V1 or V2 model runner)."
         )
     window = runner.model_config.get_sliding_window()
     if window:
@@ -93,5 +102,4 @@ def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
         )
     state = TreeState()
     runner.specx_tree_state = state
-    runner.drafter.tree_state = state
-    runner.rejection_sampler.tree_state = state
+    return state

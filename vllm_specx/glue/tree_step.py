@@ -26,8 +26,11 @@ runner (the ``tree_step_*`` patches below, all no-ops unless the runner carries 
    could be read. The draft model's own KV needs no compaction: its first pass rewrites
    the draft KV of every verified token each round.
 
-CPU only (the mask lives in this project's CPU attention op); a tree config on a GPU,
-on Model Runner V2 or on Ascend is refused before start (``vllm_specx.config``).
+CPU only (the mask lives in this project's CPU attention op); a tree config on a GPU or
+on Ascend is refused before start (``vllm_specx.config``). Model Runner V2 runs the same
+step through its own three seams (``glue/v2_tree_step.py``), sharing the pure parts here:
+the tree's depths and mask, which drafted tree a request's scheduled drafts are
+(:meth:`TreeState.tree_for`) and the KV move (:func:`compact_path_kv`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class StepTree:
     parents: torch.Tensor  # [n] int64, BFS order, -1 = child of the root
     tokens: torch.Tensor  # [n] the node tokens
     slots: dict[int, torch.Tensor]  # KV cache group -> [n + 1] slots of root + nodes
+    state_index: int = -1  # Model Runner V2: the request's request-state row
 
 
 @dataclass
@@ -132,6 +136,10 @@ class TreeState:
     def __init__(self) -> None:
         self.drafted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tokens, parents)
         self.step: TreeStep | None = None
+        # The step verified last (None: no tree request in it), kept after the step for
+        # the EAGLE heads' drafter: its first pass reads the target's hidden states in
+        # the chain layout too (glue/eagle_tree_proposer.py, ``path_rows_in_chain_order``).
+        self.last_step: TreeStep | None = None
         self.stats = TreeStats()
 
     def record_round(self, req_ids: list[str], tokens: list[torch.Tensor],
@@ -143,6 +151,26 @@ class TreeState:
         if live_req_ids is not None:
             for rid in [r for r in self.drafted if r not in live_req_ids]:
                 del self.drafted[rid]
+
+    def tree_for(self, req_id: str, n: int, scheduled: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (tokens, parents) of request ``req_id``'s drafted tree as the ``n`` drafts
+        the step verifies, or None: verify them as the chain vLLM scheduled.
+
+        ``scheduled``: the step's draft tokens of the request as the runner will feed
+        them. The scheduler may cut the BFS list (a prefix of a BFS list is a tree) or a
+        grammar may invalidate drafts (-1): anything but the drafted tokens is verified
+        as the chain vLLM scheduled, which is always correct; so is a tree that is a
+        chain."""
+        drafted = self.drafted.get(req_id)
+        if n == 0 or drafted is None:
+            return None
+        tokens, parents = drafted[0][:n], drafted[1][:n]
+        if tokens.shape[0] != n or [int(t) for t in scheduled] != tokens.tolist():
+            return None
+        if is_chain(parents):
+            return None
+        return tokens, parents
 
     # -- 1. before the target forward ---------------------------------------------------
     def begin_step(self, runner: Any, scheduler_output: Any,
@@ -169,21 +197,16 @@ class TreeState:
         masks: dict[int, torch.Tensor] = {}
         for r, (req_id, n) in enumerate(zip(batch.req_ids[:num_reqs],
                                             spec_decode_metadata.num_draft_tokens)):
-            drafted = self.drafted.get(req_id)
-            if n == 0 or drafted is None or int(num_scheduled_tokens[r]) != n + 1:
+            if int(num_scheduled_tokens[r]) != n + 1:
                 continue
-            tokens, parents = drafted[0][:n], drafted[1][:n]
-            # The scheduler may cut the BFS list (a prefix of a BFS list is a tree) or a
-            # grammar may invalidate drafts (-1): anything but the drafted tokens is
-            # verified as the chain vLLM scheduled, which is always correct.
-            if tokens.shape[0] != n or list(scheduled.get(req_id, [])) != tokens.tolist():
+            tree = self.tree_for(req_id, n, scheduled.get(req_id, []))
+            if tree is None:
                 continue
+            tokens, parents = tree
             if _uses_structured_output(runner, req_id):
                 # vLLM's grammar checks the drafts and builds each row's bitmask along the
                 # scheduled chain (BFS order), not along each node's path: verified as that
                 # chain, which is what the bitmask is right for.
-                continue
-            if is_chain(parents):
                 continue
             start = int(qsl[r])
             ctx = int(runner.positions[start])
@@ -204,29 +227,15 @@ class TreeState:
     # -- 3. after verification -------------------------------------------------------------
     def finish_step(self, runner: Any) -> None:
         step, self.step = self.step, None
+        self.last_step = step
         if step is None:
             return
-        from vllm_specx.cpu_ops.attention import cpu_attn_copy_slots
-
-        layers = _target_kv_caches(runner)
+        layers = _target_kv_caches(
+            runner, getattr(runner.drafter, "_draft_attn_layer_names", ()))
         for tree in step.trees:
             n = tree.parents.shape[0]
-            path = step.accepted.get(tree.row)
-            if path is None:
-                raise RuntimeError(
-                    f"vllm-specx: the sampler left no verdict for tree request row {tree.row}")
-            a = len(path)
-            self.stats.tree_requests += 1
-            self.stats.tree_nodes += n
-            self.stats.accepted += a
-            nodes = torch.tensor(path, dtype=torch.int64)
-            if a and not torch.equal(nodes, torch.arange(a)):
-                self.stats.compacted += 1
-                for gid, caches in layers.items():
-                    src = tree.slots[gid][1 + nodes]
-                    dst = tree.slots[gid][1: 1 + a]
-                    for kv in caches:
-                        cpu_attn_copy_slots(kv, src, dst)
+            nodes = self.compact_path_kv(step, tree, layers)
+            a = nodes.shape[0]
             # The chain layout for the drafter's first pass: [root, path..., rest].
             s = tree.start
             if a:
@@ -234,6 +243,31 @@ class TreeState:
                     buf[s + 1: s + 1 + a] = tree.tokens[nodes].to(buf.device, buf.dtype)
             runner.positions[s + 1: s + 1 + n] = torch.arange(
                 tree.ctx + 1, tree.ctx + 1 + n, dtype=runner.positions.dtype)
+
+    def compact_path_kv(self, step: TreeStep, tree: StepTree,
+                        layers: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """Move ``tree``'s accepted path's target K/V (at the slots of its nodes' flat
+        indices) to the contiguous slots after the root in every layer of ``layers``
+        (KV cache group -> caches), count it, and return the path's node indices."""
+        from vllm_specx.cpu_ops.attention import cpu_attn_copy_slots
+
+        path = step.accepted.get(tree.row)
+        if path is None:
+            raise RuntimeError(
+                f"vllm-specx: the sampler left no verdict for tree request row {tree.row}")
+        a = len(path)
+        self.stats.tree_requests += 1
+        self.stats.tree_nodes += tree.parents.shape[0]
+        self.stats.accepted += a
+        nodes = torch.tensor(path, dtype=torch.int64)
+        if a and not torch.equal(nodes, torch.arange(a)):
+            self.stats.compacted += 1
+            for gid, caches in layers.items():
+                src = tree.slots[gid][1 + nodes]
+                dst = tree.slots[gid][1: 1 + a]
+                for kv in caches:
+                    cpu_attn_copy_slots(kv, src, dst)
+        return nodes
 
 
 def _uses_structured_output(runner: Any, req_id: str) -> bool:
@@ -249,11 +283,12 @@ def _input_id_buffers(runner: Any) -> list[torch.Tensor]:
     return bufs
 
 
-def _target_kv_caches(runner: Any) -> dict[int, list[torch.Tensor]]:
-    """The target's attention KV caches per KV cache group (the drafter's layers share the
-    groups but not the tensors, and need no compaction)."""
+def _target_kv_caches(runner: Any, draft_layer_names: Any) -> dict[int, list[torch.Tensor]]:
+    """The target's attention KV caches per KV cache group (the drafter's layers, named
+    in ``draft_layer_names``, share the groups but not the tensors, and need no
+    compaction). V1 and V2 runners alike (``vllm_config``, ``kv_cache_config``)."""
     ctx = runner.vllm_config.compilation_config.static_forward_context
-    draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    draft_layers = set(draft_layer_names or ())
     out: dict[int, list[torch.Tensor]] = {}
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         caches = []

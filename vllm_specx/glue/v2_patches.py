@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm_specx.config import SpecxConfigError, specx_settings
 from vllm_specx.glue.patch_base import VllmPatch
-from vllm_specx.methods import METHODS
+from vllm_specx.methods import METHODS, draft_model_tree, tree_on
 
 logger = logging.getLogger("vllm.specx")
 
@@ -63,9 +63,24 @@ def install_v2_speculator(runner: Any, settings: dict[str, Any]) -> None:
             f"in this version of vllm-specx ({spec.v1_reason if spec else 'unknown method'})"
             "; run it on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)."
         )
+    drafter_settings = dict(settings)
+    if draft_model_tree(settings) is not None:
+        # adaptive with draft_tree: the tree is drafted by the MTAD round's beam passes,
+        # as on V1 (runner_hook.install_specx_components).
+        from vllm_specx.glue.mtad_proposer import tree_drafter_settings
+        from vllm_specx.glue.v2_speculators import DraftTreeV2Speculator
+
+        factory, drafter_settings = (lambda: DraftTreeV2Speculator), tree_drafter_settings(
+            settings)
     speculator = factory()(runner.vllm_config, runner.device, runner)
-    speculator.settings = dict(settings)
+    speculator.settings = drafter_settings
     runner.speculator = speculator
+    if tree_on(settings):
+        # Draft trees on V2 (glue/v2_tree_step.py): the state the speculator, the specx
+        # sampler (install_v2_sampler) and the runner's V2 tree-step patches share.
+        from vllm_specx.glue.runner_hook import new_tree_state
+
+        speculator.tree_state = new_tree_state(runner, settings)
     logger.info("vllm-specx: %s on Model Runner V2 with speculator %s", method,
                 type(speculator).__name__)
 

@@ -107,7 +107,104 @@ class SpecxV2RejectionSampler(RejectionSampler):
         sampled, num_sampled = self.verify_rows(
             processed, verify_draft_sampled, cu_num_logits, pos, idx_mapping,
             idx_mapping_np, expanded_idx_mapping, expanded_local_pos)
+        if self.tree_state is not None and self.tree_state.step is not None:
+            self.verify_trees(processed, logits, sampled, num_sampled, cu_num_logits, pos,
+                              idx_mapping_np)
         return processed, sampled, num_sampled
+
+    # Draft trees (glue/v2_tree_step.py): the runner's TreeState when a tree config is on
+    # (install_v2_sampler sets it).
+    tree_state: Any = None
+
+    def verify_trees(self, processed: torch.Tensor, logits: torch.Tensor,
+                     sampled: torch.Tensor, num_sampled: torch.Tensor,
+                     cu_num_logits: torch.Tensor, pos: torch.Tensor,
+                     idx_mapping_np: np.ndarray) -> None:
+        """Re-verify this chunk's tree requests with the tree rule, in place.
+
+        :meth:`verify_rows` read every request's drafts as a chain (a tree request's BFS
+        nodes too: that verdict is discarded here). A tree request's ``n + 1`` rows
+        (after the root, after each node) are the ``node_probs`` of
+        :func:`~vllm_specx.algorithms.draft_tree.verify_tree`, warped as V2 warps them
+        (``processed``); the request's output row becomes the accepted path plus one
+        token, and the accepted nodes are left in the step for the KV compaction. The
+        rows of ``processed`` and ``logits`` are then reordered so that V2's logprobs
+        (read from row ``j`` for the ``j``-th emitted token) read each emitted token's
+        own row: its parent node's."""
+        from vllm_specx.algorithms.draft_tree import TreeBatch, verify_tree
+
+        step = self.tree_state.step
+        chunk_row = {int(state): r for r, state in enumerate(idx_mapping_np)}
+        trees = [(t, chunk_row[t.state_index]) for t in step.trees
+                 if t.state_index in chunk_row]
+        if not trees:
+            return
+        device = processed.device
+        cu = cu_num_logits.to("cpu", torch.int64)
+        for tree, r in trees:
+            if int(cu[r + 1] - cu[r]) != tree.parents.shape[0] + 1:
+                raise RuntimeError(
+                    f"vllm-specx: tree request row {tree.row} has {int(cu[r + 1] - cu[r])} "
+                    f"logits rows for {tree.parents.shape[0]} nodes")
+        rows = torch.cat([torch.arange(int(cu[r]), int(cu[r + 1])) for _, r in trees])
+        node_logits = processed[rows.to(device)].to(torch.float32)
+        target_argmax = node_logits.argmax(dim=-1)
+        sampling = self.sampler.sampling_states
+        states = [tree.state_index for tree, _ in trees]
+        is_greedy = torch.from_numpy(sampling.temperature.np[states] == 0.0).to(device)
+        all_greedy = bool(is_greedy.all())
+        node_probs = node_logits if all_greedy else node_logits.softmax(dim=-1)
+        vocab_size = node_logits.shape[1]
+        num_nodes = [tree.parents.shape[0] for tree, _ in trees]
+        uniforms = torch.empty(int(sum(num_nodes)), dtype=torch.float32, device=device)
+        exp_noise = torch.empty(len(trees), vocab_size, dtype=torch.float32, device=device)
+        seeds = sampling.seeds.np[states]
+        pos_cpu = pos.to("cpu", torch.int64)
+        offset = 0
+        for i, (_, r) in enumerate(trees):
+            # Seeded by (the request's seed, its first verified position), as verify_rows.
+            gen = torch.Generator(device=device)
+            gen.manual_seed((int(seeds[i]) * _SEED_MIX + int(pos_cpu[int(cu[r])]))
+                            % (2**63 - 1))
+            uniforms[offset: offset + num_nodes[i]] = torch.rand(
+                num_nodes[i], generator=gen, device=device)
+            exp_noise[i].exponential_(generator=gen)
+            offset += num_nodes[i]
+        q = None
+        q_by_state = getattr(self.speculator, "draft_q_by_state", None)
+        if q_by_state is not None and q_by_state.ndim == 2:
+            q = torch.cat([q_by_state[s, :n] for s, n in zip(states, num_nodes)])
+        elif self.rule == "mtad":
+            q = torch.ones(int(sum(num_nodes)), dtype=torch.float32, device=device)
+        batch = TreeBatch(
+            token_ids=torch.cat([tree.tokens for tree, _ in trees]).to(device),
+            parents=torch.cat([tree.parents for tree, _ in trees]).to(device),
+            cu_num_nodes=torch.tensor(np.cumsum(num_nodes), dtype=torch.int64, device=device),
+        )
+        # The lossless rule for a draft-model tree is "deterministic" (children chosen
+        # without the verifier's randomness), as on V1 (glue/sampler.py).
+        tree_rule = {"mtad": "mtad", "standard": "deterministic"}.get(self.rule)
+        if tree_rule is None:
+            raise NotImplementedError(
+                f"vllm-specx: tree verification with the {self.rule!r} rule is not wired yet")
+        verdict = verify_tree(
+            batch, node_probs, rule=tree_rule, is_greedy=is_greedy, exp_noise=exp_noise,
+            uniforms=uniforms, target_argmax=target_argmax, draft_token_probs=q,
+            acceptance_threshold=self.acceptance_threshold, all_greedy=all_greedy,
+        )
+        accepted = verdict.num_accepted.tolist()
+        for i, (tree, r) in enumerate(trees):
+            a = int(accepted[i])
+            sampled[r] = 0
+            sampled[r, : a + 1] = verdict.output_token_ids[i, : a + 1].to(sampled.dtype)
+            num_sampled[r] = a + 1
+            path = verdict.accepted_nodes[i, :a].tolist()
+            step.accepted[tree.row] = path
+            first = int(cu[r])
+            src = torch.tensor([first] + [first + 1 + node for node in path], device=device)
+            dst = torch.arange(first, first + a + 1, device=device)
+            for rows_of in {id(processed): processed, id(logits): logits}.values():
+                rows_of[dst] = rows_of[src].clone()
 
     def verify_rows(self, processed: torch.Tensor, drafts_by_row: torch.Tensor,
                     cu_num_logits: torch.Tensor, pos: torch.Tensor, idx_mapping: torch.Tensor,
@@ -215,6 +312,8 @@ def install_v2_sampler(runner: Any, settings: dict[str, Any]) -> None:
         runner.sampler, runner.speculative_config, runner.device, settings, backend,
         runner.speculator,
     )
+    # Draft trees (glue/v2_tree_step.py): the runner's tree state, None without a tree.
+    runner.rejection_sampler.tree_state = getattr(runner, "specx_tree_state", None)
     logger.info("vllm-specx: %s on Model Runner V2 verifies with the specx sampler, rule %r "
                 "on the %s backend (%s)", settings["method"], runner.rejection_sampler.rule,
                 backend.name, backend.kernel_impl)

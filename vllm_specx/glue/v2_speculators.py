@@ -60,8 +60,8 @@ PAD_SLOT_ID = -1
 # Draft generators' seeds: (V2's request seed, position of the request's new token).
 _SEED_MIX = 1_000_003
 
-__all__ = ["AdaptiveV2Speculator", "MTADV2Speculator", "SpecxV2DraftSpeculator",
-           "V2LookaheadPasses"]
+__all__ = ["AdaptiveV2Speculator", "DraftTreeV2Speculator", "MTADV2Speculator",
+           "SpecxV2DraftSpeculator", "V2LookaheadPasses"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,12 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         # V1's name for it (glue/beam_kv.py reads the draft layers' caches by it).
         return self.draft_attn_layer_names
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """vLLM's K under V1's name (V2 calls it ``num_speculative_steps``): the width of
+        the draft buffer, a draft tree's node budget with ``draft_tree``."""
+        return int(self.num_speculative_steps)
+
     def _draft_group(self) -> int:
         """The KV-cache group of the draft model's attention layers."""
         for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
@@ -357,3 +363,17 @@ class MTADV2Speculator(MTADRound, SpecxV2DraftSpeculator):
     """``mtad`` on Model Runner V2: the beam-search round (``glue/mtad_proposer.py``)
     after vLLM's V2 first pass, every beam of a depth in one pass in its own KV slots
     (``glue/beam_kv.py``'s scratch region, as on V1)."""
+
+
+class DraftTreeV2Speculator(MTADRound, SpecxV2DraftSpeculator):
+    """``adaptive`` with ``draft_tree`` on Model Runner V2: the V1 ``DraftTreeProposer``'s
+    round (the MTAD round's beam passes in the tree drafter's settings,
+    ``mtad_proposer.tree_drafter_settings``) after vLLM's V2 first pass. Each request's
+    tree reaches the scheduler as its ragged draft list (BFS order) and the runner's tree
+    state (``glue/v2_tree_step.py``) verifies it as a tree."""
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        # No q, as on V1 (DraftTreeProposer): the lossless "deterministic" tree rule reads
+        # none, and a step verified as chains takes the one-hot rule.
+        self._last_draft_probs = None
+        return None
