@@ -123,6 +123,7 @@ def _tree_attention(
     BLOCK_Q: tl.constexpr,  # query rows per program
     BLOCK_M: tl.constexpr,  # power of 2 >= BLOCK_Q * GROUP (rows x heads of one KV head)
     TILE: tl.constexpr,  # keys per step of the online softmax
+    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for float32, else None
 ):
     req = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -167,7 +168,7 @@ def _tree_attention(
         v = tl.load(v_ptr + block[:, None] * v_stride_b + slot[:, None] * v_stride_s
                     + kv_head * v_stride_h + offs_d[None, :] * v_stride_d,
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE, HEAD_PAD]
-        s = tl.dot(q, k) * scale
+        s = tl.dot(q, k, input_precision=PRECISION) * scale
         # Causal: a row sees the context and the step's rows up to itself ...
         rel = key[None, :] - context  # which of the request's query rows a key is
         seen = row_ok[:, None] & key_ok[None, :] & (rel <= row[:, None])
@@ -184,7 +185,7 @@ def _tree_attention(
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m_i - shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     # Every real row sees at least itself (l > 0); padding rows are not stored.
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -244,6 +245,8 @@ def tree_attention(
     if masks is None:
         masks = TreeMasks(torch.full((num_reqs,), -1, dtype=torch.int32, device=query.device),
                           torch.zeros(1, 1, dtype=torch.int8, device=query.device))
+    elif masks.rows.device != query.device:
+        masks = TreeMasks(masks.first_row.to(query.device), masks.rows.to(query.device))
     group = num_heads // num_kv_heads
     # One program: BLOCK_Q query rows x the GROUP heads of one KV head. tl.dot wants at
     # least 16 rows; longer requests (prefill chunks) get 64-row tiles.
@@ -260,5 +263,7 @@ def tree_attention(
         block_table.stride(0), masks.rows.stride(0),
         GROUP=group, HEAD=head_size, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=32,
+        # float32 models get float32 products (not TF32), as the CPU reference computes.
+        PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
     return out
