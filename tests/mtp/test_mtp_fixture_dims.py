@@ -10,6 +10,7 @@ The fixture used (qk_nope 32, qk_rope 64, v 32) first, which no CUDA prefill bac
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -93,3 +94,43 @@ def test_hopper_mla_decode_backends_accept_the_fixture(mtp_config, name, cuda_na
         attn_type=AttentionType.DECODER,
     )
     assert reasons == [], f"{name}: {reasons}"
+
+
+def test_widening_the_heads_keeps_the_model_s_function(monkeypatch):
+    """``build_mtp_fixture.py --stage widen`` (how the committed weights got these sizes):
+    a random tiny DeepSeek-V3 widened from (nope 4, v 4) to (nope 8, v 16) gives the same
+    logits, and the widened tensors have the new shapes."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_mtp_fixture.py"
+    spec = importlib.util.spec_from_file_location("build_mtp_fixture", script)
+    assert spec is not None and spec.loader is not None
+    builder = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, builder)  # its dataclasses look it up
+    spec.loader.exec_module(builder)
+
+    def model(nope: int, v: int) -> DeepseekV3ForCausalLM:
+        cfg = DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=nope, v_head_dim=v, head_dim=8, max_position_embeddings=64,
+        )
+        cfg._attn_implementation = "eager"
+        return DeepseekV3ForCausalLM(cfg).float().eval()
+
+    torch.manual_seed(0)
+    narrow, wide = model(4, 4), model(8, 16)
+    state = builder.widen_mla_heads(narrow.state_dict(), 2, 8, (4, 4), (8, 16))
+    wide.load_state_dict(state)  # strict: every shape matches the wide model
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        before, after = narrow(input_ids=ids).logits, wide(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert before.std() > 0.01  # a model that computes something
+    with pytest.raises(ValueError):
+        builder.widen_mla_heads(narrow.state_dict(), 2, 8, (4, 4), (2, 16))
