@@ -50,6 +50,7 @@ from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule
 from vllm_specx.config import specx_settings
 from vllm_specx.glue.chain_drafter import ChainDrafter, ChainRound
 from vllm_specx.glue.cost_model import CostControl
+from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import METHODS
 
@@ -91,10 +92,11 @@ class EagleRoundHooks(ChainRound):
         self.hidden_states[: hidden.shape[0]] = hidden
 
 
-class EagleChainProposer(EagleRoundHooks, ChainDrafter, EagleProposer):
+class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EagleProposer):
     """Chain drafting with a per-request stop and a shrinking batch over vLLM's
     ``EagleProposer`` (see the module doc); the specx method's ``vllm_method`` says which
-    draft (``mtp``, ``eagle`` or ``eagle3``) vLLM built."""
+    draft (``mtp``, ``eagle`` or ``eagle3``) vLLM built. With ``draft_tree`` (EAGLE
+    heads) the round drafts a tree instead (``glue/eagle_tree_proposer.py``)."""
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
@@ -109,13 +111,18 @@ class EagleChainProposer(EagleRoundHooks, ChainDrafter, EagleProposer):
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]] | torch.Tensor:
         """vLLM's ``propose``; an EAGLE-3 head first combines the target's auxiliary hidden
         states with its ``fc`` (vLLM's base ``propose`` does the same before its first
-        pass; the specx first pass is spelled out in ``SpecxPasses.propose``)."""
-        if self.method == "eagle3":
+        pass; the specx first pass is spelled out in ``SpecxPasses.propose``). After a
+        tree step the accepted nodes' rows are first moved into the chain layout."""
+        if self.tree_state is not None or self.method == "eagle3":
+            def prepare(hidden: torch.Tensor) -> torch.Tensor:
+                hidden = self.path_rows_in_chain_order(hidden)
+                return (self.model.combine_hidden_states(hidden) if self.method == "eagle3"
+                        else hidden)
+
             if "target_hidden_states" in kwargs:
-                kwargs["target_hidden_states"] = self.model.combine_hidden_states(
-                    kwargs["target_hidden_states"])
+                kwargs["target_hidden_states"] = prepare(kwargs["target_hidden_states"])
             else:  # positional: (K, token ids, positions, hidden states, ...)
-                args = (*args[:3], self.model.combine_hidden_states(args[3]), *args[4:])
+                args = (*args[:3], prepare(args[3]), *args[4:])
         return super().propose(*args, **kwargs)
 
     def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:
@@ -127,4 +134,6 @@ class EagleChainProposer(EagleRoundHooks, ChainDrafter, EagleProposer):
         model_kwargs.setdefault("hidden_states", self.hidden_states[:num_input_tokens])
         out = super().run_model(model_kwargs, num_input_tokens)
         for_lm_head, fed_back = out if self.model_returns_tuple() else (out, out)
-        return torch.cat([for_lm_head, fed_back], dim=-1)
+        out = torch.cat([for_lm_head, fed_back], dim=-1)
+        self.keep_tree_pass_output(out)
+        return out
