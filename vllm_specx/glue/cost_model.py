@@ -68,27 +68,36 @@ class _Regression:
         self.a = np.zeros((dims, dims))
         self.b = np.zeros(dims)
         self.count = 0
+        # The last solution: a step reads theta up to three times (outlier check, plan)
+        # between two observations; one solve each.
+        self._theta: np.ndarray | None = None
 
     def set_prior(self, points: Sequence[tuple[np.ndarray, float]]) -> None:
         w = PRIOR_WEIGHT / max(len(points), 1)
         self.prior_a = sum(w * np.outer(x, x) for x, _ in points)
         self.prior_b = sum(w * x * y for x, y in points)
+        self._theta = None
 
     def observe(self, x: np.ndarray, y: float) -> None:
         self.a = FORGETTING * self.a + np.outer(x, x)
         self.b = FORGETTING * self.b + x * y
         self.count += 1
+        self._theta = None
 
     def theta(self, fallback: np.ndarray) -> np.ndarray:
         if self.count == 0:
             return fallback  # nothing measured yet: the prior itself
+        if self._theta is not None:
+            return self._theta
         a = self.a + self.prior_a + 1e-12 * np.eye(self.dims)
         try:
             theta = np.linalg.solve(a, self.b + self.prior_b)
         except np.linalg.LinAlgError:
             return fallback
-        # Costs are not negative; a slope the data cannot pin down falls back to the prior.
-        return np.where(theta >= 0, theta, np.maximum(fallback, 0.0))
+        # Costs are not negative; a slope the data cannot pin down falls back to the prior
+        # (the fallback is the prior at the current scale, fixed once the scale is set).
+        self._theta = np.where(theta >= 0, theta, np.maximum(fallback, 0.0))
+        return self._theta
 
     def predict(self, x: np.ndarray, fallback: np.ndarray) -> float:
         return float(x @ self.theta(fallback))
@@ -251,7 +260,10 @@ class CostControl:
         self.stats.planned_tokens += int(caps.sum())
         if not caps.any():
             self.stats.all_zero_steps += 1
-        elif not caps.all():
+            # Nobody drafts: no rule runs (a drafter that planned before its first pass
+            # skips the round; one that did not returns before its first draw).
+            return RoundPlan(inner, torch.zeros(len(req_ids), dtype=torch.int64), choice.rate)
+        if not caps.all():
             self.stats.partial_zero_steps += 1
         threshold = choice.rate * (costs.target_per_token + costs.draft_row)
         if isinstance(inner, HeadStop):

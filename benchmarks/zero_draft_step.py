@@ -1,0 +1,192 @@
+"""What a step costs when cost control drafts nothing for anyone, against a plain decode step.
+
+Three in-process engines, all alive at once, warmed up, timed passes interleaved
+(``A B C A B C ...``; round_parity.py's method):
+
+* ``no speculation``: vLLM without a speculative config;
+* ``adaptive, plans 0, pass skipped``: ``adaptive`` whose cost control is forced to plan
+  zero drafts every step (acceptance 0, no probes): the drafter skips its first pass
+  (``DraftKVHoles`` in glue/draft_passes.py; with prefix caching it still runs one first
+  pass, with the catch-up, where a request's hole would reach its KV block's end);
+* ``adaptive, plans 0, pass run``: the same, with every first pass run (the behaviour
+  before the skip).
+
+Greedy, ``ignore_eos``; decode steps only (steps with prefill tokens are not counted)::
+
+    python benchmarks/zero_draft_step.py --pair fixture --batch 1
+    python benchmarks/zero_draft_step.py --pair real --batch 8 --max-tokens 32
+
+Reported per row: CPU ms and wall ms per decode step (median over the repeats, with the
+spread), the CPU ms inside the drafter's ``propose`` per step, and whether the outputs
+equal no speculation's. Wall clock on a shared machine moves with its load (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+K = 4
+
+
+def _force_zero(llm: Any, skip: bool) -> Any:
+    """Cost control planning zero drafts every step, whatever it measures."""
+    import numpy as np
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    drafter.settings["cost_control"] = True
+    control = drafter.cost_control(K)
+    control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                    target_per_token=0.05, draft_pass=0.08, draft_row=0.01,
+                                    draft_round=0.05)
+    control.history.rates = lambda ids: np.zeros((len(ids), K))
+    control.history.probe_interval = 10**9
+    drafter.skips_idle_first_pass = skip
+    return drafter
+
+
+class _ProposeClock:
+    """CPU seconds inside the drafter's ``propose``."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.cpu = 0.0
+        original = drafter.propose
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.cpu += time.process_time() - t0
+
+        drafter.propose = timed
+
+
+def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, float, int, list]:
+    """All prompts at once (the batch is max_num_seqs); CPU s, wall s and count of the
+    decode-only steps, and the outputs in prompt order."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.llm_engine
+    tag = time.monotonic_ns()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{tag}-{i}", prompt, params)
+    cpu = wall = 0.0
+    steps = 0
+    outs: dict[int, list[int]] = {}
+    sched = engine.engine_core.engine_core.scheduler if hasattr(
+        engine.engine_core, "engine_core") else None
+    while engine.has_unfinished_requests():
+        prefill = sched is not None and (
+            bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                       for r in sched.running))
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = engine.step()
+        c1, w1 = time.process_time(), time.perf_counter()
+        if not prefill:
+            cpu += c1 - c0
+            wall += w1 - w0
+            steps += 1
+        for o in out:
+            if o.finished:
+                outs[int(o.request_id.rsplit("-", 1)[1])] = list(o.outputs[0].token_ids)
+    return cpu, wall, steps, [outs[i] for i in sorted(outs)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=("fixture", "real"), default="fixture")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm_specx.engine import default_dtype, ensure_cpu_env, make_llm, shutdown_llm
+
+    ensure_cpu_env()
+    overrides: dict[str, Any] = {"max_num_seqs": args.batch}
+    if args.pair == "real":
+        from vllm_specx import real_pair
+        from vllm_specx.bench.prompts import read_jsonl
+
+        target = str(real_pair.ensure_target())
+        draft = str(real_pair.draft_dir())
+        pool = read_jsonl(real_pair.HELDOUT_PROMPTS).prompts
+        overrides["kv_cache_memory_bytes"] = 256 << 20
+    else:
+        from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
+
+        target_p, draft_p = fixture_model_dirs()
+        target, draft = str(target_p), str(draft_p)
+        pool = heldout_prompts(max(args.batch, 4))
+    prompts = (pool * (args.batch // len(pool) + 1))[: args.batch]
+    spec = {"method": "adaptive", "model": draft, "num_speculative_tokens": K}
+    rows_cfg = [("no speculation", None, None),
+                ("adaptive, plans 0, pass skipped", spec, True),
+                ("adaptive, plans 0, pass run", spec, False)]
+    engines = []
+    for name, cfg, skip in rows_cfg:
+        llm = make_llm(target, speculative_config=cfg, **overrides)
+        drafter = _force_zero(llm, skip) if cfg is not None else None
+        clock = _ProposeClock(drafter) if drafter is not None else None
+        _run(llm, prompts, args.max_tokens)  # warm-up, not counted
+        engines.append((name, llm, clock, drafter))
+
+    rows = {n: {"cpu": [], "wall": [], "prop": []} for n, _, _ in rows_cfg}
+    outputs: dict[str, list] = {}
+    steps: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for name, llm, clock, _ in engines:
+            before = clock.cpu if clock else 0.0
+            cpu, wall, n, outs = _run(llm, prompts, args.max_tokens)
+            rows[name]["cpu"].append(1000 * cpu / n)
+            rows[name]["wall"].append(1000 * wall / n)
+            rows[name]["prop"].append(1000 * ((clock.cpu if clock else 0.0) - before) / n)
+            outputs[name], steps[name] = outs, n
+    ref = outputs[rows_cfg[0][0]]
+    result = []
+    for name, llm, _, drafter in engines:
+        r = rows[name]
+        stats = drafter.specx_stats().get("cost_control", {}) if drafter else {}
+        result.append({
+            "config": name,
+            "cpu_ms_per_step": round(statistics.median(r["cpu"]), 3),
+            "cpu_ms_spread": [round(min(r["cpu"]), 3), round(max(r["cpu"]), 3)],
+            "wall_ms_per_step": round(statistics.median(r["wall"]), 3),
+            "wall_ms_spread": [round(min(r["wall"]), 3), round(max(r["wall"]), 3)],
+            "propose_cpu_ms_per_step": round(statistics.median(r["prop"]), 3),
+            "decode_steps": steps[name],
+            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config
+                                     .async_scheduling),
+            "idle_first_pass": stats.get("idle_first_pass"),
+            "same_output_as_no_speculation": outputs[name] == ref,
+        })
+    for _, llm, _, _ in engines:
+        shutdown_llm(llm)
+    print(json.dumps({"pair": args.pair, "dtype": default_dtype(), "batch": args.batch,
+                      "max_tokens": args.max_tokens, "repeats": args.repeats,
+                      "load": os.getloadavg(), "rows": result}, indent=1))
+    base = result[0]
+    for r in result:
+        cpu_x = r["cpu_ms_per_step"] / base["cpu_ms_per_step"]
+        wall_x = r["wall_ms_per_step"] / base["wall_ms_per_step"]
+        print(f"{r['config']:34s} cpu {r['cpu_ms_per_step']:8.3f} ms/step "
+              f"({cpu_x:.3f}x) {r['cpu_ms_spread']} "
+              f"wall {r['wall_ms_per_step']:8.3f} ({wall_x:.3f}x) "
+              f"propose-cpu {r['propose_cpu_ms_per_step']:7.3f} steps {r['decode_steps']} "
+              f"async {r['async_scheduling']} same {r['same_output_as_no_speculation']}",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
