@@ -7,8 +7,11 @@ ruff check .
 set +e
 # Two pytest-xdist workers, one test directory per worker at a time (tests/conftest.py groups
 # them): most tests drive one single-threaded engine, so the two cores run two directories
-# at once. VLLM_SPECX_TEST_WORKERS=0 runs everything in this process.
-python -m pytest -n "${VLLM_SPECX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+# at once. VLLM_SPECX_TEST_WORKERS=0 runs everything in this process. --durations=30 lists the
+# slowest tests at the end: the suite must stay under 20 minutes on 2 cores, so every run
+# (CI's included) says where the time goes.
+python -m pytest -n "${VLLM_SPECX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
+    --durations=30 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of this script's purpose.
