@@ -314,34 +314,102 @@ MAX_TREE_NODES = 64  # as vllm_specx.algorithms.draft_tree.MAX_TREE_NODES (no to
 MTAD_DRAFT_TREE = Knob(
     "draft_tree", "tree", False, 'false, true or {"max_nodes": N} (N from 1 to 64)',
     "verify all num_beams beams at once as one draft tree (one target pass, ancestor-only "
-    "attention; V1 runner on CPU) instead of the single best beam; true keeps every beam "
+    "attention; CPU, V1 or V2 runner) instead of the single best beam; true keeps every "
+    "beam "
     "(up to num_beams * K nodes), {\"max_nodes\": N} the N nodes of highest joint draft "
     "probability",
 )
 TREE_NEEDS_CPU_V1 = V1OnlySetting(
     "draft_tree", True,
-    "one target pass over the tree needs the ancestor-only mask of vllm-specx's CPU "
-    "attention, hooked into the V1 runner (Model Runner V2, CUDA and Ascend: next issue)",
+    "this method's tree drafter is hooked into the V1 runner only (draft-model trees, "
+    "mtad and adaptive, also run on Model Runner V2; CUDA and Ascend: next issue)",
 )
 
 
 ADAPTIVE_DRAFT_TREE = Knob(
     "draft_tree", "tree", False,
-    'false, true or {"max_nodes": N, "max_depth": D, "branching": K} (N 1-64, D 1-16, K 1-N)',
-    "draft a dynamic tree with the draft model instead of the adaptive chain: per depth the "
-    "best `branching` continuations of the tree's best paths (one batched pass per depth), "
-    "the best `max_nodes` nodes kept, verified losslessly in one target pass (V1 runner on "
-    "CPU); the adaptive stop is not used then; true = the defaults 16 / 5 / 4",
+    'false, true or {"max_nodes": N, "max_depth": D, "branching": K, "sampled_children": '
+    'S} (N 1-64, D 1-16, K 1-N, S true or false)',
+    "draft a dynamic tree with the draft model instead of the adaptive chain, verified "
+    "losslessly in one target pass (CPU, V1 or V2 runner); greedy requests: per depth the "
+    "best "
+    "`branching` continuations of the tree's best paths, the best `max_nodes` nodes kept; "
+    "sampled requests (sampled_children, default true): `branching` i.i.d. draws per depth "
+    "from the drafter, the likeliest one expanded, verified by SpecInfer's multi-draft rule "
+    "(false: the greedy requests' top-k tree, verified by the deterministic rule); the "
+    "adaptive stop is not used then; true = the defaults 16 / 5 / 4 / true",
 )
 DEFAULT_TREE = {"max_nodes": 16, "max_depth": 5, "branching": 4}  # draft_tree.DEFAULT_TREE_KNOB
+# A draft-model tree's children for sampled requests: i.i.d. draws verified by the
+# "sampled" (SpecInfer) rule, or the top-k tree verified by "deterministic" (docs/trees.md:
+# at T = 1 the top-k tree accepts a child with p(x), below the chain's min(1, p/q)).
+SAMPLED_CHILDREN_KEY = "sampled_children"
+
+
+# EAGLE heads (specx_eagle, specx_eagle3) draft trees with the head's own top-k: a dynamic
+# EAGLE-2 tree or a static tree of child-rank paths (glue/eagle_tree_proposer.py).
+HEAD_TREE_METHODS: tuple[str, ...] = ("specx_eagle", "specx_eagle3")
+HEAD_DRAFT_TREE = Knob(
+    "draft_tree", "tree", False,
+    'false, true, {"max_nodes": N, "max_depth": D, "branching": K} (N 1-64, D 1-16, K 1-N, '
+    '(D - 1) * K <= 64) or {"paths": [[0], [1], [0, 0], ...]} (at most 64 nodes, 16 deep)',
+    "draft a tree with the head instead of a chain, verified losslessly in one target pass "
+    "(V1 runner on CPU): a dynamic EAGLE-2 tree (per depth the top `branching` children of "
+    "the `branching` likeliest nodes, one head pass per depth, the best `max_nodes` nodes "
+    "by joint draft probability kept) or a static tree of child-rank paths (vLLM's old "
+    "speculative_token_tree format); not with adaptive; true = 16 / 5 / 4",
+)
+
+HEAD_TREE_NEEDS_V1 = V1OnlySetting(
+    "draft_tree", True,
+    "an EAGLE head's tree is drafted by the V1 drafter (glue/eagle_tree_proposer.py) and "
+    "verified with the ancestor-only mask of vllm-specx's CPU attention (Model Runner V2, "
+    "CUDA and Ascend: next issue)",
+)
+
+
+def head_tree(settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An EAGLE head's tree (``specx_eagle`` / ``specx_eagle3`` with ``draft_tree``):
+    ``{"paths": [...]}`` for a static tree, else the dynamic shape (max_nodes, max_depth,
+    branching; defaults as ``adaptive``'s); None without one."""
+    tree = settings.get("draft_tree")
+    if tree in (None, False) or settings.get("method") not in HEAD_TREE_METHODS:
+        return None
+    if isinstance(tree, Mapping) and "paths" in tree:
+        return {"paths": [list(p) for p in tree["paths"]]}
+    return draft_model_tree({**settings, "method": "adaptive"})
+
+
+def head_tree_fed_nodes(shape: Mapping[str, Any]) -> int:
+    """The most tree nodes the head is fed in one round: a dynamic tree feeds its
+    ``branching``-wide frontier at every depth but the last; a static tree its inner
+    nodes (at most all but one)."""
+    if "paths" in shape:
+        paths = {tuple(p) for p in shape["paths"]}
+        return len({p[:-1] for p in paths if len(p) > 1})
+    return (int(shape["max_depth"]) - 1) * int(shape["branching"])
+
+
+def head_tree_budget(shape: Mapping[str, Any]) -> int:
+    """vLLM's ``num_speculative_tokens`` for an EAGLE head's tree: its node budget, and
+    at least one more than the nodes fed to the head (the head writes their KV at the
+    lookahead slots ``P+1 ..``, which vLLM reserves for ``num_speculative_tokens - 1``
+    lookahead passes)."""
+    if "paths" in shape:
+        nodes = len({tuple(p) for p in shape["paths"]})
+    else:
+        nodes = int(shape["max_nodes"])
+    return max(nodes, head_tree_fed_nodes(shape) + 1)
 
 
 def draft_model_tree(settings: Mapping[str, Any]) -> dict[str, int] | None:
-    """``adaptive``'s tree shape (max_nodes, max_depth, branching), or None without one."""
+    """``adaptive``'s tree shape (max_nodes, max_depth, branching, sampled_children), or
+    None without one."""
     tree = settings.get("draft_tree")
-    if tree in (None, False) or settings.get("method") == "mtad":
+    if tree in (None, False) or settings.get("method") in ("mtad", *HEAD_TREE_METHODS):
         return None
     given = dict(tree) if isinstance(tree, Mapping) else {}
+    given[SAMPLED_CHILDREN_KEY] = bool(given.get(SAMPLED_CHILDREN_KEY, True))
     n = given.get("max_nodes")
     if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
         # A default never exceeds the nodes given: {"max_nodes": 2} is a 2-node tree
@@ -363,6 +431,9 @@ def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
     tree = settings.get("draft_tree")
     if tree in (None, False):
         return None
+    head = head_tree(settings)
+    if head is not None:
+        return head_tree_budget(head)
     shape = draft_model_tree(settings)
     if shape is not None:
         return min(shape["max_nodes"], shape["branching"] * shape["max_depth"])
@@ -375,6 +446,18 @@ def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
 def _device_type(device: str) -> str:
     # "cpu" (tests) or "<platform> (<backend>)" (config translation).
     return device.rsplit("(", 1)[-1].rstrip(")").strip() if "(" in device else device
+
+
+def tree_device_refusal(ctx: CheckContext, shown: Any) -> Refusal | None:
+    """A draft tree on a device that cannot verify one yet, refused with that device
+    backend's own reason (``DeviceLimits.reason_no_draft_tree``: on CUDA the Triton tree
+    kernel is not validated in an engine yet, on Ascend the attention gets no tree mask
+    and tree size + 1 <= 16); None on CPU."""
+    reason = ctx.limits.reason_no_draft_tree
+    if not reason and _device_type(ctx.device) == "cpu":
+        return None
+    return Refusal("draft_tree", shown, f"not on {ctx.device} yet: " + (
+        reason or "tree verification runs on vLLM's V1 model runner on CPU only"))
 
 
 def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
@@ -398,12 +481,33 @@ def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
         return Refusal("draft_tree", tree if isinstance(tree, bool) else dict(tree),
                        f"num_beams * num_speculative_tokens = {nodes} tree nodes exceed "
                        f"{MAX_TREE_NODES}; give {{\"max_nodes\": N}} with N <= {MAX_TREE_NODES}")
-    if _device_type(ctx.device) != "cpu":
-        return Refusal("draft_tree", tree if isinstance(tree, bool) else dict(tree),
-                       f"not on {ctx.device} yet: tree verification runs on vLLM's V1 model "
-                       "runner on CPU only (the ancestor mask is in vllm-specx's CPU "
-                       "attention; Model Runner V2, CUDA and Ascend are the next issue)")
-    return None
+    return tree_device_refusal(ctx, tree if isinstance(tree, bool) else dict(tree))
+
+
+def head_tree_fits(ctx: CheckContext) -> Refusal | None:
+    """``draft_tree`` on an EAGLE head: ``validate_tree_knob``'s rules, not with the
+    adaptive stop, the head's fed nodes within the tree limit, and the device (CPU only)."""
+    tree = ctx.settings.get("draft_tree")
+    if tree in (None, False):
+        return None
+    shown = tree if isinstance(tree, bool) else dict(tree)
+    if ctx.settings.get("adaptive"):
+        return Refusal("draft_tree", shown, 'not with "adaptive": true (a tree is drafted '
+                       "to its shape, the adaptive stop drafts chains); drop one of them")
+    if isinstance(tree, Mapping):
+        from vllm_specx.algorithms.draft_tree import validate_tree_knob  # torch, lazily
+
+        problems = validate_tree_knob(dict(tree))
+        if problems:
+            return Refusal("draft_tree", shown, problems[0])
+    shape = head_tree(ctx.settings)
+    assert shape is not None
+    fed = head_tree_fed_nodes(shape)
+    if fed > MAX_TREE_NODES:
+        return Refusal("draft_tree", shown,
+                       f'("max_depth" - 1) * "branching" = {fed} frontier nodes fed to the '
+                       f"head exceed {MAX_TREE_NODES}; use a shallower or narrower tree")
+    return tree_device_refusal(ctx, shown)
 
 
 def draft_model_tree_fits(ctx: CheckContext) -> Refusal | None:
@@ -420,7 +524,13 @@ def draft_model_tree_fits(ctx: CheckContext) -> Refusal | None:
                            "draft model yet")
         from vllm_specx.algorithms.draft_tree import validate_tree_knob  # torch, lazily
 
-        problems = validate_tree_knob(dict(tree))
+        sampled = tree.get(SAMPLED_CHILDREN_KEY, True)
+        if not isinstance(sampled, bool):
+            return Refusal("draft_tree", shown, f'"{SAMPLED_CHILDREN_KEY}" must be true or '
+                           "false (i.i.d. draws verified by the sampled rule for sampled "
+                           "requests, or the top-k tree)")
+        problems = validate_tree_knob({k: v for k, v in tree.items()
+                                       if k != SAMPLED_CHILDREN_KEY})
         if problems:
             return Refusal("draft_tree", shown, problems[0])
     shape = draft_model_tree(ctx.settings)
@@ -432,12 +542,7 @@ def draft_model_tree_fits(ctx: CheckContext) -> Refusal | None:
                        f'"branching" * "max_depth" = {positions} exceeds '
                        f"{ctx.limits.max_beam_positions} on {ctx.device} "
                        f"({ctx.limits.reason_max_beam_positions})")
-    if _device_type(ctx.device) != "cpu":
-        return Refusal("draft_tree", shown,
-                       f"not on {ctx.device} yet: tree verification runs on vLLM's V1 model "
-                       "runner on CPU only (the ancestor mask is in vllm-specx's CPU "
-                       "attention; Model Runner V2, CUDA and Ascend are the next issue)")
-    return None
+    return tree_device_refusal(ctx, shown)
 
 
 # -- cross-knob checks ------------------------------------------------------------------
@@ -530,8 +635,9 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
                 MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
                 EAGLE_CONFIDENCE_THRESHOLD, COST_CONTROL,
             )),
+            HEAD_DRAFT_TREE,
         ),
-        checks=(min_tokens_within_k, acceptance_head_fits_draft),
+        checks=(min_tokens_within_k, acceptance_head_fits_draft, head_tree_fits),
         proposer=named("vllm_specx.glue.eagle_chain_proposer:EagleChainProposer"),
         available=True,
         ragged_drafts=True,  # the adaptive stop drafts per-request lengths
@@ -543,7 +649,7 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
         runs_on_v2=runs_on_v2,
         v2_speculator=named("vllm_specx.glue.v2_eagle:EagleChainV2Speculator"),
         v1_reason="not run on Model Runner V2 yet: there is no EAGLE (one-layer) test head",
-        v1_only_settings=V2_ADAPTIVE_STOP,
+        v1_only_settings=(*V2_ADAPTIVE_STOP, HEAD_TREE_NEEDS_V1),
         v2_cudagraph="captured",
     )
 
@@ -566,7 +672,6 @@ METHODS: dict[str, MethodSpec] = {
             proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:MTADV2Speculator"),
             runs_on_v2=True,
-            v1_only_settings=(TREE_NEEDS_CPU_V1,),
             available=True,
             beam_width_knob="num_beams",
         ),
@@ -584,7 +689,6 @@ METHODS: dict[str, MethodSpec] = {
             proposer=named("vllm_specx.glue.adaptive_proposer:AdaptiveProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:AdaptiveV2Speculator"),
             runs_on_v2=True,
-            v1_only_settings=(TREE_NEEDS_CPU_V1,),
             available=True,
             ragged_drafts=True,
         ),

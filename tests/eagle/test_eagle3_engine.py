@@ -14,6 +14,7 @@ same drafter switches to the default training-free confidence rule for the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -45,6 +46,11 @@ ENGINE_KW: dict[str, Any] = dict(
 )
 N_STAT = 400
 STAT_TOP_K = 3
+# The trees: 8 nodes (vLLM's K = 8); a static tree whose rank-0 path is 4 deep, with a
+# rank-1 branch fed along with it (so a node seeing a wrong ancestor, or sitting at a wrong
+# position, drafts another token than the chain).
+DYNAMIC_TREE = {"max_nodes": 8, "max_depth": 4, "branching": 2}
+STATIC_PATHS = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
             "vllm:spec_decode_num_drafts")
 
@@ -156,6 +162,43 @@ def runs(target: str, eagle3_head: str,
         out["stats"] = runner.drafter.specx_stats()
     finally:
         shutdown_llm(llm)
+
+    # Draft trees over the head (the knob-only rule: vLLM's eagle3 + draft_tree). One
+    # engine: a dynamic EAGLE-2 tree, then a static paths tree on the same drafter.
+    tree_spec = {**vllm_spec, "draft_tree": DYNAMIC_TREE}
+    with running_llm(target, speculative_config=tree_spec, **ENGINE_KW) as llm:
+        config = llm.llm_engine.vllm_config
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        drafter = runner.drafter
+        out["tree_method"] = (config.speculative_config.method,
+                              config.additional_config["specx"]["method"],
+                              config.speculative_config.num_speculative_tokens,
+                              type(drafter).__name__)
+        out["tree_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["tree_long"] = output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS)))
+        # Requests that end while a tree is in flight (a few tokens each).
+        ends = [greedy(n) for n in (2, 3, 5, 7)]
+        out["tree_ends"] = output_ids(generate(llm, prompts["short"], ends))
+        out["tree_dynamic_stats"] = dataclasses.replace(runner.specx_tree_state.stats)
+        drafter.settings = {**drafter.settings, "draft_tree": {"paths": STATIC_PATHS}}
+        # Each round also drafts the argmax chain over the same first pass (the chain
+        # round, before the tree's: the tree's passes rewrite the lookahead KV it used):
+        # the tree's rank-0 path must be that chain.
+        tree_round = drafter.draft_round
+        pairs: list[tuple[list[int], list[int]]] = []
+
+        def both(start: Any, md: Any) -> Any:
+            from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
+
+            chain = super(EagleTreeRound, drafter).draft_round(start, md)
+            trees = tree_round(start, md)
+            pairs.extend((list(c), list(t)) for c, t in zip(chain, trees))
+            return trees
+
+        drafter.draft_round = both
+        out["tree_static"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["tree_static_pairs"] = pairs
+        out["tree_stats"] = runner.specx_tree_state.stats
     return out
 
 
@@ -254,3 +297,28 @@ def test_sampled_output_is_distributed_as_the_target(runs, target):
     scale = sum(observed) / sum(expected)
     _, p_value = chisquare(observed, [e * scale for e in expected])
     assert p_value > 1e-3, (p_value, observed, expected)
+
+
+def test_head_trees_equal_no_speculation_and_draft_the_chain_on_rank_0(runs):
+    """specx_eagle3 with draft_tree (read from vLLM's eagle3 + the knob): greedy output
+    equal to no speculation with a dynamic tree (chunked prefill, requests ending inside a
+    tree) and with a static paths tree; every tree node was verified in one target pass,
+    and the static tree's rank-0 path is the head's own argmax chain, i.e. the tree passes
+    give each node its ancestors and its depth's position."""
+    assert runs["tree_method"] == ("eagle3", "specx_eagle3", 8, "EagleChainProposer")
+    assert runs["tree_ragged"] == runs["plain_ragged"]
+    assert runs["tree_long"] == runs["plain_long"]
+    for n, got, want in zip((2, 3, 5, 7), runs["tree_ends"], runs["plain_short"]):
+        assert got == want[:n]
+    dynamic = runs["tree_dynamic_stats"]
+    assert dynamic.tree_requests > 0 and dynamic.tree_nodes > 4 * dynamic.tree_requests
+    assert 0 < dynamic.accepted and dynamic.compacted > 0  # off-rank-0 paths were taken
+    assert runs["tree_static"] == runs["plain_ragged"]
+    pairs = runs["tree_static_pairs"]
+    full = [(chain, tree) for chain, tree in pairs if len(tree) == len(STATIC_PATHS)]
+    assert len(full) > 10
+    for chain, tree in full:
+        # BFS order: [0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0].
+        assert [tree[0], tree[2], tree[4], tree[6]] == chain[:4]
+        assert tree[0] != tree[1]
+    assert runs["tree_stats"].tree_requests > dynamic.tree_requests

@@ -91,3 +91,60 @@ def test_acceptance_head_must_fit_the_eagle_head(target, eagle3_head, tmp_path):
     message = str(info.value)
     assert "\n" not in message
     assert 'speculative_config["acceptance_head"]' in message and "264" in message
+
+
+def _translate(config: dict, device: str = "cpu"):
+    from vllm_specx.backends import select_backend
+    from vllm_specx.glue.patches import vllm_method_names, vllm_speculative_fields
+
+    return translate(config, vllm_methods=vllm_method_names(),
+                     vllm_fields=vllm_speculative_fields(),
+                     limits=select_backend().limits, device=device)
+
+
+@pytest.mark.parametrize("base", ["eagle", "eagle3"])
+def test_vllm_name_with_draft_tree_is_the_specx_head_tree(base):
+    """The knob-only-specx rule: vLLM's eagle/eagle3 plus draft_tree is specx_eagle/3;
+    vLLM's num_speculative_tokens becomes the tree's node budget (at least the head's fed
+    nodes + 1, whose KV lives in the lookahead slots)."""
+    dynamic = _translate({"method": base, "model": "head",
+                          "draft_tree": {"max_nodes": 16, "max_depth": 5, "branching": 4}})
+    assert dynamic.specx_settings["method"] == f"specx_{base}"
+    assert dynamic.vllm_speculative_config == {
+        "method": base, "model": "head", "num_speculative_tokens": 17}
+    small = _translate({"method": base, "model": "head",
+                        "draft_tree": {"max_nodes": 8, "max_depth": 4, "branching": 2}})
+    assert small.vllm_speculative_config["num_speculative_tokens"] == 8
+    static = _translate({"method": base, "model": "head",
+                         "draft_tree": {"paths": [[0], [1], [0, 0], [0, 0, 0]]}})
+    assert static.specx_settings["method"] == f"specx_{base}"
+    assert static.vllm_speculative_config["num_speculative_tokens"] == 4
+    assert _translate({"method": base, "model": "head"}) is None  # vLLM's own
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"max_nodes": 0}, r'draft_tree\["max_nodes"\] = 0 is not allowed: an integer from 1'),
+    ({"max_nodes": 64, "max_depth": 16, "branching": 8}, r"= 120 frontier nodes fed to the head"),
+    ({"paths": [[0], [0, 0, 1]]}, r"has the path \[0, 0, 1\] but not its prefix"),
+    ({"branching": 2, "sampled_children": True}, r"unknown keys \['sampled_children'\]"),
+    ("wide", r"'specx_eagle3': false, true, "),
+])
+def test_bad_head_tree_knobs_are_refused_in_one_line(tree, message):
+    with pytest.raises(SpecxConfigError, match=message) as err:
+        _translate({"method": "eagle3", "model": "head", "draft_tree": tree})
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith('speculative_config["draft_tree"]')
+
+
+def test_head_tree_refused_with_adaptive_and_off_cpu():
+    with pytest.raises(SpecxConfigError, match='not with "adaptive": true') as err:
+        _translate({"method": "specx_eagle3", "model": "head", "adaptive": True,
+                    "draft_tree": True})
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecxConfigError, match="not on cuda yet") as err:
+        _translate({"method": "eagle3", "model": "head", "draft_tree": True}, device="cuda")
+    assert "\n" not in str(err.value)
+    # specx_mtp drafts no tree yet: refused as a knob of the head methods.
+    with pytest.raises(SpecxConfigError, match="specx_mtp.*belongs to specx method") as err:
+        _translate({"method": "specx_mtp", "draft_tree": True})
+    assert "\n" not in str(err.value)

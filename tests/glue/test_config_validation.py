@@ -298,11 +298,11 @@ def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
 
 def test_another_method_s_switch_turned_on_is_still_refused():
     for config in ({"method": "mtad", "model": "d", "cost_control": True},
-                   {"method": "specx_eagle3", "model": "d", "draft_tree": True},
+                   {"method": "specx_mtp", "draft_tree": True},
                    {"method": "mtad", "model": "d", "stop_threshold": 0.5}):
         with pytest.raises(SpecxConfigError, match="belongs to specx method"):
             run(config)
-    result = run({"method": "specx_eagle3", "model": "d", "draft_tree": False})
+    result = run({"method": "specx_mtp", "draft_tree": False})
     assert "draft_tree" not in result.specx_settings
 
 

@@ -28,8 +28,8 @@ def test_vllm_schedules_the_tree_the_drafter_keeps_its_depth(tree, nodes):
     assert result.specx_settings["num_speculative_tokens"] == 3  # the beams' depth
     assert result.specx_settings["draft_tree"] == tree
     assert tree_max_nodes(result.specx_settings) == nodes
-    # The tree step is hooked into the V1 runner only: vLLM is told so.
-    assert "draft_tree" in METHODS["mtad"].v1_only_reason(result.specx_settings)
+    # The tree step runs on Model Runner V2 too (glue/v2_tree_step.py): vLLM may pick it.
+    assert METHODS["mtad"].v1_only_reason(result.specx_settings) is None
 
 
 def test_off_by_default_and_chain_k_unchanged():
@@ -64,7 +64,8 @@ def test_bad_tree_configs_are_refused_in_one_line(config, device, fragments):
 
 
 def test_tree_knob_belongs_to_the_draft_model_methods():
-    with pytest.raises(SpecxConfigError, match="belongs to specx method 'mtad' or 'adaptive'"):
+    owners = "'mtad', 'adaptive', 'specx_eagle' or 'specx_eagle3'"
+    with pytest.raises(SpecxConfigError, match=f"belongs to specx method {owners}"):
         run({"method": "ngram", "num_speculative_tokens": 3, "draft_tree": True})
 
 
@@ -76,6 +77,9 @@ ADAPTIVE = {"method": "adaptive", "model": "draft", "num_speculative_tokens": 4}
     ({"max_nodes": 30, "max_depth": 2, "branching": 4}, 8),  # 4 x 2 beam positions at most
     # Defaults never exceed the max_nodes given (were refused: "max_depth = 5", unset).
     ({"max_nodes": 2}, 2), ({"max_nodes": 3, "branching": 1}, 3),
+    # i.i.d. children for sampled requests (the default) or the top-k tree: same budget.
+    ({"max_nodes": 8, "max_depth": 3, "branching": 3, "sampled_children": False}, 8),
+    ({"sampled_children": True}, 16),
 ])
 def test_adaptive_tree_is_scheduled_as_its_node_budget(tree, nodes):
     from vllm_specx.glue.mtad_proposer import tree_drafter_settings
@@ -88,13 +92,14 @@ def test_adaptive_tree_is_scheduled_as_its_node_budget(tree, nodes):
     shape = {"max_nodes": 16, "max_depth": min(5, cap), "branching": min(4, cap), **given}
     assert (drafter["num_beams"], drafter["num_speculative_tokens"]) == (
         shape["branching"], shape["max_depth"])
-    assert "draft_tree" in METHODS["adaptive"].v1_only_reason(result.specx_settings)
+    assert METHODS["adaptive"].v1_only_reason(result.specx_settings) is None  # V2 too
 
 
 @pytest.mark.parametrize("tree, device, fragment", [
     ({"max_depth": 0}, "cpu", 'draft_tree["max_depth"] = 0 is not allowed'),
     ({"max_nodes": 8, "max_depth": 3, "branching": 9}, "cpu", "more children than max_nodes"),
     ({"depth": 3}, "cpu", "unknown keys ['depth']"),
+    ({"sampled_children": "yes"}, "cpu", '"sampled_children" must be true or false'),
     ({"paths": [[0], [1]]}, "cpu", 'static "paths" trees are not drafted by a draft model'),
     ({"max_nodes": 64, "max_depth": 16, "branching": 32}, "cpu",
      '"branching" * "max_depth" = 512 exceeds 256 on cpu'),
