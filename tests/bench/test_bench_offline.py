@@ -100,6 +100,27 @@ def test_default_configs_are_vllm_methods_plus_available_specx():
         {"method": "specx_eagle3", "model": "/h", "adaptive": True}]
 
 
+def test_the_real_pair_defaults_include_a_draft_model_tree():
+    """The real pair's defaults run adaptive with REAL_PAIR_TREE (a valid draft_tree, the
+    i.i.d. children of sampled requests on: the default), before the EAGLE configs."""
+    import argparse
+
+    from vllm_specx.algorithms.draft_tree import validate_tree_knob
+    from vllm_specx.bench.cli import _parsed_configs
+    from vllm_specx.methods import draft_model_tree
+
+    assert C.default_configs(1)[-1].get("draft_tree") is None
+    args = argparse.Namespace(config=None, num_speculative_tokens=None)
+    configs = [cfg for _, cfg in _parsed_configs(args, "real")]
+    trees = [c for c in configs if "draft_tree" in c]
+    assert trees == [{"method": "adaptive", "draft_tree": C.REAL_PAIR_TREE,
+                      "num_speculative_tokens": 1}]
+    assert validate_tree_knob(C.REAL_PAIR_TREE) == []
+    assert draft_model_tree(trees[0])["sampled_children"] is True
+    with_head = C.default_configs(1, eagle3_head="/h", draft_tree=C.REAL_PAIR_TREE)
+    assert [c["method"] for c in with_head[-3:]] == ["adaptive", "eagle3", "specx_eagle3"]
+
+
 # --- prompts --------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ engine. The draft is the target itself (deep accepted paths off the first BFS no
 from __future__ import annotations
 
 import pytest
+import torch
 from mtad_reference import greedy_generate
 from test_mtad_tree_engine import TreeEngine, pair, prompts_of  # noqa: F401 (fixture)
 
@@ -55,3 +56,66 @@ def test_greedy_equals_no_speculation_and_sampled_rows_run(pair, engine):  # noq
     assert stats.tree_requests > before[0]
     assert stats.compacted > before[1]
     assert stats.accepted - before[2] > stats.tree_requests - before[0]
+
+
+N_STAT = 600  # seeded 3-token samples, top-k 3 at T = 1: 27 outcomes
+
+
+def _exact_three_tokens(model, prompt: list[int], top_k: int) -> dict[tuple[int, ...], float]:
+    """p(t1, t2, t3 | prompt) under temperature 1 and top-k, enumerated with the HF model."""
+    def top(ctx: list[int]) -> list[tuple[int, float]]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx])).logits[0, -1].float()
+        vals, idx = logits.topk(top_k)
+        return list(zip(idx.tolist(), vals.softmax(-1).tolist()))
+
+    return {(a, b, c): pa * pb * pc for a, pa in top(prompt) for b, pb in top(prompt + [a])
+            for c, pc in top(prompt + [a, b])}
+
+
+def test_sampled_children_output_is_distributed_as_the_target(pair, engine):  # noqa: F811
+    """Sampled requests draft i.i.d. children and are verified by the "sampled" rule
+    (``sampled_children``, the default). The drafter's logits are skewed by a fixed
+    random bias so q differs from p (the fixture's draft is the target): chi-square of
+    the engine's 3-token samples against the target's exact distribution (p 0.55 when
+    written). Checked by hand: drafting the top-k children but verifying them with the
+    "sampled" rule (the documented wrong pairing) fails it with p = 4e-99; handing every
+    node the q row of depth 0 is too small an error for 600 samples here (p 0.012) and
+    is caught in tests/algorithms/test_sampled_tree.py."""
+    from scipy.stats import chisquare
+    from vllm import SamplingParams
+
+    _, target = pair
+    drafter = engine.runner.drafter
+    model = drafter.model
+    assert model is not engine.runner.model
+    bias = 0.6 * torch.randn(target.config.vocab_size, generator=torch.Generator().manual_seed(4))
+
+    def skewed(hidden: torch.Tensor, _original=model.compute_logits) -> torch.Tensor:
+        logits = _original(hidden)
+        return logits + bias[: logits.shape[-1]].to(logits)
+
+    prompt = prompts_of([9], seed=21)[0]
+    stats = engine.state.stats
+    before = (drafter.sampled_tree_rounds, stats.tree_nodes, stats.accepted,
+              stats.tree_requests)
+    model.compute_logits = skewed
+    try:
+        params = [SamplingParams(temperature=1.0, top_k=3, seed=i, max_tokens=3,
+                                 ignore_eos=True) for i in range(N_STAT)]
+        outs = engine.generate([prompt] * N_STAT, params)
+    finally:
+        del model.compute_logits  # the class's method again
+    samples = [tuple(o.outputs[0].token_ids) for o in outs]
+    assert drafter.sampled_tree_rounds > before[0]
+    accepted, nodes = stats.accepted - before[2], stats.tree_nodes - before[1]
+    assert 0 < accepted < nodes - (stats.tree_requests - before[3])  # rejections too
+    dist = _exact_three_tokens(target, prompt, 3)
+    assert set(samples) <= set(dist)
+    big = [k for k in dist if dist[k] * N_STAT >= 5]
+    small = [k for k in dist if k not in big]
+    observed = [samples.count(k) for k in big] + [sum(samples.count(k) for k in small)]
+    expected = [dist[k] * N_STAT for k in big] + [sum(dist[k] for k in small) * N_STAT]
+    scale = sum(observed) / sum(expected)
+    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    assert p_value > 1e-3, (p_value, observed, expected)

@@ -121,14 +121,23 @@ def needs_eagle_head(method: str | None) -> bool:
     return vllm_method in ("eagle", "eagle3")
 
 
+# The real pair's draft-model tree (docs/trees.md, "A draft-model tree"): 8 nodes, 3 per
+# depth. The target's forward over 9 query tokens costs about 1.2 one-token forwards at
+# batch 1 (docs/benchmarks/real-pair.md, benchmarks/tree_target_cost.py), and the
+# drafter's first draft is accepted about half the time, so a wide shallow tree.
+REAL_PAIR_TREE: dict[str, Any] = {"max_nodes": 8, "max_depth": 3, "branching": 3}
+
+
 def default_configs(num_speculative_tokens: int = 4, eagle3_head: str | None = None,
-                    eagle3_k: int = 3) -> list[dict[str, Any]]:
+                    eagle3_k: int = 3, draft_tree: Mapping[str, Any] | None = None
+                    ) -> list[dict[str, Any]]:
     """What runs when no ``--config`` is given: vLLM's ngram and draft_model, and every
     specx method that is available in this version and runs on a draft model (the
     fixture pair has no MTP layers). Models are filled in from the default draft later.
-    With ``eagle3_head`` (the real pair's shipped head): vLLM's ``eagle3`` with
-    ``eagle3_k`` drafts and ``specx_eagle3`` with the adaptive stop over the same head;
-    without one, no EAGLE method (the default drafter is not a head)."""
+    With ``draft_tree`` (the real pair's :data:`REAL_PAIR_TREE`): ``adaptive`` drafting
+    that tree too. With ``eagle3_head`` (the real pair's shipped head): vLLM's ``eagle3``
+    with ``eagle3_k`` drafts and ``specx_eagle3`` with the adaptive stop over the same
+    head; without one, no EAGLE method (the default drafter is not a head)."""
     configs: list[dict[str, Any]] = [
         {
             "method": "ngram",
@@ -141,6 +150,8 @@ def default_configs(num_speculative_tokens: int = 4, eagle3_head: str | None = N
     for name, spec in METHODS.items():
         if spec.available and spec.needs_draft_model and not needs_eagle_head(name):
             configs.append({"method": name})
+    if draft_tree is not None:
+        configs.append({"method": "adaptive", "draft_tree": dict(draft_tree)})
     if eagle3_head is not None:
         configs.append({"method": "eagle3", "model": eagle3_head,
                         "num_speculative_tokens": eagle3_k})

@@ -345,8 +345,14 @@ class MTADRound:
             out.append(tokens[r, :n].tolist())
         self._last_draft_probs = q
         runner = self.model_runner
-        req_ids = list(runner.input_batch.req_ids[:num_reqs])
-        self.tree_state.record_round(req_ids, tok_rows, par_rows, live_req_ids=runner.requests)
+        # The round's request ids (V1 and V2 rounds carry them) and the live requests: V1's
+        # runner.requests, V2's request states.
+        req_ids = list(start.req_ids if start.req_ids is not None
+                       else runner.input_batch.req_ids[:num_reqs])
+        live = getattr(runner, "requests", None)
+        if live is None:
+            live = runner.req_states.req_id_to_index
+        self.tree_state.record_round(req_ids, tok_rows, par_rows, live_req_ids=live)
         self.stats.record(
             num_reqs, k, b, start.first_tokens, forward.tokens, forward.passes,
             request_passes=num_reqs + forward.request_passes,
@@ -383,15 +389,36 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
     requests, drawn without the verifier's randomness otherwise) and kept to ``max_nodes``
     nodes by joint draft probability. The runner hook hands it settings in MTAD's terms
     (:func:`tree_drafter_settings`); the sampler verifies with the lossless
-    ``"deterministic"`` tree rule, which needs no draft probabilities."""
+    ``"deterministic"`` tree rule, which needs no draft probabilities.
+
+    A batch with a sampled request drafts i.i.d. children instead (``"sampled_children"``,
+    on by default; ``glue/sampled_tree_round.py``), verified by the ``"sampled"`` rule with
+    the q rows the draws came from."""
+
+    # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
+    _sampled_q: torch.Tensor | None = None
+    sampled_tree_rounds: int = 0
+
+    def draft_round(  # type: ignore[override]
+        self, start: RoundStart, sampling_metadata: SamplingMetadata
+    ) -> Any:
+        from vllm_specx.glue.sampled_tree_round import sampled_tree_round, wants_sampled_tree
+
+        self._sampled_q = None
+        if self.tree_state is not None and wants_sampled_tree(self, sampling_metadata,
+                                                              start.num_reqs):
+            return sampled_tree_round(self, start, sampling_metadata)
+        return super().draft_round(start, sampling_metadata)
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
-        # No q: a tree verified as a chain (a step that falls back to chains) then takes
-        # the one-hot rule, lossless for drafts chosen without the verifier's randomness;
-        # the MTAD nodes' q would make the standard rule treat BFS siblings as one chain
-        # drawn from q, which they are not.
+        # A top-k round hands no q: a tree verified as a chain (a step that falls back to
+        # chains) then takes the one-hot rule, lossless for drafts chosen without the
+        # verifier's randomness; the MTAD nodes' q would make the standard rule treat BFS
+        # siblings as one chain drawn from q, which they are not. A sampled-children
+        # round hands each node's q row (siblings share their parent's).
         self._last_draft_probs = None
-        return None
+        q, self._sampled_q = self._sampled_q, None
+        return q
 
 
 def tree_drafter_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -142,22 +142,31 @@ class SpecxRejectionSampler(RejectionSampler):
             generator = sampling_metadata.generators.get(tree.row)
             if generator is not None:
                 exp_noise[i].exponential_(generator=generator)
-        q = None
+        q = q_rows = None
         if draft_probs is not None and draft_probs.ndim == 1:
             q = torch.cat([draft_probs[int(q_start[t.row]): int(q_start[t.row + 1])]
                            for t in trees]).to(torch.float32)
         elif self.rule == "mtad":
             q = torch.ones(int(sum(num_draft[t.row] for t in trees)), device=device)
+        elif (draft_probs is not None and draft_probs.ndim == 2
+              and draft_probs.shape[1] == node_probs.shape[1]):
+            # A draft-model tree with i.i.d. children (glue/sampled_tree_round.py): each
+            # node's row is the q its parent's children were drawn from.
+            q_rows = torch.cat([draft_probs[int(q_start[t.row]): int(q_start[t.row + 1])]
+                                for t in trees]).to(torch.float32)
         batch = TreeBatch(
             token_ids=torch.cat([t.tokens for t in trees]).to(device),
             parents=torch.cat([t.parents for t in trees]).to(device),
             cu_num_nodes=torch.tensor(np.cumsum([t.parents.shape[0] for t in trees]),
                                       dtype=torch.int64, device=device),
         )
-        # The lossless rule for a draft-model tree is "deterministic": its children were
-        # chosen without the verifier's randomness (top-k / drawn without replacement by
-        # the drafter), which is what that rule needs, and it reads no q.
+        # The lossless rule for a draft-model tree: "sampled" (SpecInfer) when the
+        # drafter handed the q rows its i.i.d. children were drawn from; otherwise
+        # "deterministic": its children were chosen without the verifier's randomness
+        # (top-k / drawn without replacement by the drafter), and it reads no q.
         tree_rule = {"mtad": "mtad", "standard": "deterministic"}.get(self.rule)
+        if q_rows is not None and tree_rule == "deterministic":
+            tree_rule = "sampled"
         if tree_rule is None:
             raise NotImplementedError(
                 f"vllm-specx: tree verification with the {self.rule!r} rule is not wired yet")
@@ -173,7 +182,7 @@ class SpecxRejectionSampler(RejectionSampler):
         verdict = verify_tree(
             batch, node_probs, rule=tree_rule, is_greedy=is_greedy, exp_noise=exp_noise,
             uniforms=uniforms,
-            target_argmax=target_argmax, draft_token_probs=q,
+            target_argmax=target_argmax, draft_token_probs=q, draft_probs=q_rows,
             acceptance_threshold=self.acceptance_threshold,
             all_greedy=bool(sampling_metadata.all_greedy),
         )
