@@ -417,8 +417,12 @@ class DraftKVHoles:
         self.start: dict[str, int] = {}  # request id -> first position without draft KV
         self.skipped_first_passes = 0
         self.refused_skips = 0  # all-zero steps that ran the first pass (block ends)
+        self.catch_up_steps = 0  # first passes preceded by a catch-up
         self.catch_up_passes = 0
         self.catch_up_tokens = 0
+        # Most tokens one catch-up pass feeds (None: the drafter's token buffer). Tests
+        # set it small to exercise holes caught up over several passes.
+        self.pass_tokens: int | None = None
 
     def may_skip(self, req_ids: Sequence[str], first_pos: np.ndarray,
                  query_lens: np.ndarray) -> bool:
@@ -447,39 +451,56 @@ class DraftKVHoles:
     def catch_up(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
                  req_ids: Sequence[str], first_pos: np.ndarray,
                  token_ids_cpu: np.ndarray) -> None:
-        """Before a first pass: write the missing draft KV of the batch's requests in one
-        pass (``LookaheadPasses`` over the target's attention metadata ``cad``, each row fed
-        its committed tokens right-aligned so its last one sits just before ``Q``)."""
+        """Before a first pass: write the missing draft KV of the batch's requests
+        (``LookaheadPasses`` over the target's attention metadata ``cad``, each row fed its
+        committed tokens right-aligned so its last one sits just before where the row's
+        piece ends), in one pass when the drafter's token buffer holds them all, else in
+        passes that each take the next piece of every row (a row's pieces in order)."""
         if not self.start:
             return
-        rows: list[int] = []
-        spans: list[tuple[int, int]] = []
+        todo: dict[int, list[int]] = {}  # batch row -> [next position to write, Q]
         for i, rid in enumerate(req_ids):
             h = self.start.pop(rid, None)
             q = int(first_pos[i])
             if h is not None and h < q:
-                rows.append(i)
-                spans.append((h, q))
-        if not rows:
-            return
-        lens = torch.tensor([q - h for h, q in spans], dtype=torch.int64)
-        j = int(lens.max())
-        tails = torch.zeros(len(rows), j, dtype=torch.int64)
-        for r, (i, (h, q)) in enumerate(zip(rows, spans)):
-            tails[r, j - (q - h):] = torch.from_numpy(token_ids_cpu[i, h:q].astype(np.int64))
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        # LookaheadPasses feeds row r at positions P_r + 1 + col (col >= start_r) over a
-        # sequence of P_r + 1 + j: P_r = Q_r - 1 - j puts the last token at Q_r - 1.
-        base = torch.zeros(len(req_ids), dtype=torch.int64)
-        base[rows_t] = torch.tensor([q - j for _, q in spans], dtype=torch.int64)
+                todo[i] = [h, q]
+        budget = max(int(self.pass_tokens or proposer.input_ids.shape[0]), 1)
         device = cad.seq_lens.device
-        passes = LookaheadPasses(proposer, cad, (base - 1).to(device), base.to(device))
-        passes.run(rows_t, tails, j - lens)
-        self.catch_up_passes += 1
-        self.catch_up_tokens += int(lens.sum())
+        self.catch_up_steps += bool(todo)
+        while todo:
+            rows: list[int] = []
+            pieces: list[tuple[int, int]] = []
+            left = budget
+            for i, (h, q) in todo.items():
+                if left == 0:
+                    break
+                n = min(q - h, left)
+                rows.append(i)
+                pieces.append((h, h + n))
+                left -= n
+            lens = torch.tensor([b - a for a, b in pieces], dtype=torch.int64)
+            j = int(lens.max())
+            tails = torch.zeros(len(rows), j, dtype=torch.int64)
+            for r, (i, (a, b)) in enumerate(zip(rows, pieces)):
+                tails[r, j - (b - a):] = torch.from_numpy(token_ids_cpu[i, a:b].astype(np.int64))
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            # LookaheadPasses feeds row r at positions P_r + 1 + col (col >= start_r) over a
+            # sequence of P_r + 1 + j: P_r = b_r - 1 - j puts the last token at b_r - 1.
+            base = torch.zeros(len(req_ids), dtype=torch.int64)
+            base[rows_t] = torch.tensor([b - j for _, b in pieces], dtype=torch.int64)
+            passes = LookaheadPasses(proposer, cad, (base - 1).to(device), base.to(device))
+            passes.run(rows_t, tails, j - lens)
+            self.catch_up_passes += 1
+            self.catch_up_tokens += int(lens.sum())
+            for i, (_, b) in zip(rows, pieces):
+                if b >= todo[i][1]:
+                    del todo[i]
+                else:
+                    todo[i][0] = b
 
     def as_dict(self) -> dict[str, int]:
         return {"skipped_first_passes": self.skipped_first_passes,
                 "all_zero_steps_that_ran_it": self.refused_skips,
+                "catch_up_steps": self.catch_up_steps,
                 "catch_up_passes": self.catch_up_passes,
                 "catch_up_tokens": self.catch_up_tokens}
