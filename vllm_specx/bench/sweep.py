@@ -182,7 +182,7 @@ def write_sweep_plot(rows: list[dict[str, Any]], stem: Path, subtitle: str) -> P
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, -0.02 - 0.03 * math.ceil(len(labels) / 2)))
     fig.suptitle("Speed-up against batch size, with and without cost control (grey: 1.0x; "
-                 "dotted: 0.97x)\n" + subtitle, fontsize=10)
+                 "dotted: 0.97x)\n" + subtitle, fontsize=10, y=1.05)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
