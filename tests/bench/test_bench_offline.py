@@ -113,12 +113,24 @@ def test_the_real_pair_defaults_include_a_draft_model_tree():
     args = argparse.Namespace(config=None, num_speculative_tokens=None)
     configs = [cfg for _, cfg in _parsed_configs(args, "real")]
     trees = [c for c in configs if "draft_tree" in c]
-    assert trees == [{"method": "adaptive", "draft_tree": C.REAL_PAIR_TREE,
-                      "num_speculative_tokens": 1}]
+    assert trees[0] == {"method": "adaptive", "draft_tree": C.REAL_PAIR_TREE,
+                        "num_speculative_tokens": 1}
     assert validate_tree_knob(C.REAL_PAIR_TREE) == []
+    assert validate_tree_knob(C.REAL_PAIR_EAGLE3_TREE) == []
     assert draft_model_tree(trees[0])["sampled_children"] is True
-    with_head = C.default_configs(1, eagle3_head="/h", draft_tree=C.REAL_PAIR_TREE)
-    assert [c["method"] for c in with_head[-3:]] == ["adaptive", "eagle3", "specx_eagle3"]
+    with_head = C.default_configs(1, eagle3_head="/h", draft_tree=C.REAL_PAIR_TREE,
+                                  eagle3_tree=C.REAL_PAIR_EAGLE3_TREE)
+    assert [c["method"] for c in with_head[-4:]] == [
+        "adaptive", "eagle3", "specx_eagle3", "specx_eagle3"]
+    assert with_head[-1] == {"method": "specx_eagle3", "model": "/h",
+                             "draft_tree": C.REAL_PAIR_EAGLE3_TREE}
+    # -k names every chain's K; a head's tree keeps its node budget.
+    args = argparse.Namespace(config=None, num_speculative_tokens=2)
+    with_k = [cfg for _, cfg in _parsed_configs(args, "real")]
+    if any(c["method"] == "eagle3" for c in with_k):  # the shipped head is present
+        last = with_k[-1]
+        assert (last["method"], last["draft_tree"]) == ("specx_eagle3", C.REAL_PAIR_EAGLE3_TREE)
+        assert "num_speculative_tokens" not in last
 
 
 # --- prompts --------------------------------------------------------------------------

@@ -288,18 +288,24 @@ def _parsed_configs(args: argparse.Namespace, pair: str) -> list[tuple[str | Non
     if args.config:
         return parsed
     if pair == "real":
-        from vllm_specx.bench.configs import REAL_PAIR_TREE, needs_eagle_head
+        from vllm_specx.bench.configs import (
+            REAL_PAIR_EAGLE3_TREE,
+            REAL_PAIR_TREE,
+            needs_eagle_head,
+        )
         from vllm_specx.real_pair import eagle3_dir
 
         k = args.num_speculative_tokens or REAL_PAIR_K
         head = eagle3_dir()
         configs = default_configs(k, eagle3_head=str(head) if head else None,
                                   eagle3_k=args.num_speculative_tokens or REAL_PAIR_EAGLE3_K,
-                                  draft_tree=REAL_PAIR_TREE)
+                                  draft_tree=REAL_PAIR_TREE, eagle3_tree=REAL_PAIR_EAGLE3_TREE)
         # The EAGLE-3 configurations keep their own K (the head's drafts are accepted far
         # more often than the drafter's; specx_eagle3's adaptive stop picks each length
-        # up to its default 8) unless -k names one for all.
-        return [(None, cfg if needs_eagle_head(cfg["method"]) and not args.num_speculative_tokens
+        # up to its default 8) unless -k names one for all; a head's tree keeps its own
+        # node budget always.
+        return [(None, cfg if needs_eagle_head(cfg["method"]) and (
+                    not args.num_speculative_tokens or "draft_tree" in cfg)
                  else {**cfg, "num_speculative_tokens": k}) for cfg in configs]
     return [(None, cfg) for cfg in default_configs(args.num_speculative_tokens or DEFAULT_K)]
 

@@ -126,18 +126,23 @@ def needs_eagle_head(method: str | None) -> bool:
 # batch 1 (docs/benchmarks/real-pair.md, benchmarks/tree_target_cost.py), and the
 # drafter's first draft is accepted about half the time, so a wide shallow tree.
 REAL_PAIR_TREE: dict[str, Any] = {"max_nodes": 8, "max_depth": 3, "branching": 3}
+# The shipped EAGLE-3 head's tree (docs/trees.md, "EAGLE and MTP trees"): 8 nodes, 2 per
+# depth, 4 deep (the head's first draft is accepted more often than the drafter's).
+REAL_PAIR_EAGLE3_TREE: dict[str, Any] = {"max_nodes": 8, "max_depth": 4, "branching": 2}
 
 
 def default_configs(num_speculative_tokens: int = 4, eagle3_head: str | None = None,
-                    eagle3_k: int = 3, draft_tree: Mapping[str, Any] | None = None
-                    ) -> list[dict[str, Any]]:
+                    eagle3_k: int = 3, draft_tree: Mapping[str, Any] | None = None,
+                    eagle3_tree: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """What runs when no ``--config`` is given: vLLM's ngram and draft_model, and every
     specx method that is available in this version and runs on a draft model (the
     fixture pair has no MTP layers). Models are filled in from the default draft later.
     With ``draft_tree`` (the real pair's :data:`REAL_PAIR_TREE`): ``adaptive`` drafting
     that tree too. With ``eagle3_head`` (the real pair's shipped head): vLLM's ``eagle3``
     with ``eagle3_k`` drafts and ``specx_eagle3`` with the adaptive stop over the same
-    head; without one, no EAGLE method (the default drafter is not a head)."""
+    head, and with ``eagle3_tree`` (:data:`REAL_PAIR_EAGLE3_TREE`) ``specx_eagle3``
+    drafting that tree; without a head, no EAGLE method (the default drafter is not a
+    head)."""
     configs: list[dict[str, Any]] = [
         {
             "method": "ngram",
@@ -156,4 +161,7 @@ def default_configs(num_speculative_tokens: int = 4, eagle3_head: str | None = N
         configs.append({"method": "eagle3", "model": eagle3_head,
                         "num_speculative_tokens": eagle3_k})
         configs.append({"method": "specx_eagle3", "model": eagle3_head, "adaptive": True})
+        if eagle3_tree is not None:
+            configs.append({"method": "specx_eagle3", "model": eagle3_head,
+                            "draft_tree": dict(eagle3_tree)})
     return configs
