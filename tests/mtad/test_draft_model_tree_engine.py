@@ -119,3 +119,19 @@ def test_sampled_children_output_is_distributed_as_the_target(pair, engine):  # 
     scale = sum(observed) / sum(expected)
     p_value = chisquare(observed, [e * scale for e in expected]).pvalue
     assert p_value > 1e-3, (p_value, observed, expected)
+
+
+def test_sampled_children_under_chain_fallback(engine):
+    """A batch with penalties verifies its drafts as the scheduled chain: the i.i.d.
+    children's q rows then go to the standard rule, BFS order (lossless: each node is a
+    fresh draw from its row given the nodes before it); the step runs and counts."""
+    from vllm import SamplingParams
+
+    drafter, stats = engine.runner.drafter, engine.state.stats
+    before = (drafter.sampled_tree_rounds, stats.chain_fallback_steps)
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=i, max_tokens=9,
+                             ignore_eos=True) for i in range(2)]
+    outs = engine.generate(prompts_of([7, 12], seed=5), params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 9]
+    assert drafter.sampled_tree_rounds > before[0]
+    assert stats.chain_fallback_steps > before[1]
