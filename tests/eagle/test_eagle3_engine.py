@@ -180,6 +180,13 @@ def runs(target: str, eagle3_head: str,
         ends = [greedy(n) for n in (2, 3, 5, 7)]
         out["tree_ends"] = output_ids(generate(llm, prompts["short"], ends))
         out["tree_dynamic_stats"] = dataclasses.replace(runner.specx_tree_state.stats)
+        params = [SamplingParams(temperature=1.0, top_k=STAT_TOP_K, seed=i, max_tokens=2)
+                  for i in range(N_STAT)]
+        out["tree_stat"] = [tuple(x) for x in output_ids(
+            generate(llm, prompts["stat"] * N_STAT, params))]
+        stats = runner.specx_tree_state.stats
+        out["tree_stat_nodes"] = (stats.tree_requests - out["tree_dynamic_stats"].tree_requests,
+                                  stats.accepted - out["tree_dynamic_stats"].accepted)
         drafter.settings = {**drafter.settings, "draft_tree": {"paths": STATIC_PATHS}}
         # Each round also drafts the argmax chain over the same first pass (the chain
         # round, before the tree's: the tree's passes rewrite the lookahead KV it used):
@@ -275,16 +282,23 @@ def _exact_two_token_distribution(target: str, prompt: list[int]) -> dict[tuple[
     return {(a, b): pa * pb for a, pa in top(prompt) for b, pb in top(prompt + [a])}
 
 
-def test_sampled_output_is_distributed_as_the_target(runs, target):
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_sampled_output_is_distributed_as_the_target(runs, target, drafts):
     """Chi-square of the engine's seeded 2-token samples against the target's exact
     distribution: one-hot EAGLE-3 drafts, verified by accept-with-p(x) and the residual
-    p without x. Both verification outcomes must have happened."""
+    p without x; or the head's dynamic tree (top-k children), verified by the
+    "deterministic" tree rule. Both verification outcomes must have happened."""
     from scipy.stats import chisquare
 
-    c = runs["stat_counts"]
-    assert 0 < c["accepted"] < c["drafted"]
+    if drafts == "chain":
+        c = runs["stat_counts"]
+        assert 0 < c["accepted"] < c["drafted"]
+        samples = runs["stat"]
+    else:
+        trees, accepted = runs["tree_stat_nodes"]
+        assert 0 < accepted < trees  # some trees accepted a node, some none
+        samples = runs["tree_stat"]
     dist = _exact_two_token_distribution(target, runs["prompts"]["stat"][0])
-    samples = runs["stat"]
     assert set(samples) <= set(dist)
     counts = {k: 0 for k in dist}
     for s in samples:
