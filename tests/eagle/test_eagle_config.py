@@ -148,3 +148,13 @@ def test_head_tree_refused_with_adaptive_and_off_cpu():
     with pytest.raises(SpecxConfigError, match="specx_mtp.*belongs to specx method") as err:
         _translate({"method": "specx_mtp", "draft_tree": True})
     assert "\n" not in str(err.value)
+
+
+def test_head_tree_on_model_runner_v2_is_refused_in_one_line(target, eagle3_head, monkeypatch):
+    """specx_eagle3 runs on V2, but its tree drafter is V1's: forcing V2 with draft_tree
+    is refused before start, naming the setting; without the knob V2 stays allowed."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner only .draft_tree = true") as err:
+        engine_config(target, {"method": "eagle3", "model": eagle3_head,
+                               "draft_tree": {"paths": [[0], [1]]}})
+    assert "\n" not in str(err.value)
