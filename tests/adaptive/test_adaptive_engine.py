@@ -235,8 +235,12 @@ def runs() -> dict[str, Any]:
         # Cost control (issue 32) with an injected cost model: lengths change step to
         # step, including steps where nobody drafts and steps where only some do.
         control = _inject_cost_control(runner.drafter)
-        # Catch-up passes of at most 3 tokens: longer holes take several passes.
+        # Catch-up passes of at most 3 tokens: longer holes take several passes. Blocks of
+        # 4 positions for the hole bookkeeping (the cache's are 32): skipped steps then
+        # also catch up the blocks vLLM would cache (more catch-ups, never fewer: the
+        # drafts must stay the same).
         runner.drafter.kv_holes().pass_tokens = 3
+        runner.drafter.kv_holes().block_size = 4
         out["cost_short"] = counted(
             "cost_short", lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
         out["idle_first_pass"] = dict(runner.drafter.kv_holes().as_dict())
@@ -457,6 +461,7 @@ def test_steps_where_nobody_drafts_skip_the_drafter_and_catch_its_kv_up(runs):
     # 3 tokens (pass_tokens), so some holes over several passes.
     assert holes["catch_up_tokens"] > holes["catch_up_passes"] > 0
     assert holes["catch_up_passes"] > holes["catch_up_steps"] > 0
+    assert holes["block_end_catch_ups"] > 0
     assert runs["cost_short_no_skip"] == runs["cost_short"] == runs["plain_short"]
 
     def rounds(name: str) -> list[tuple[list[int], list[list[int]]]]:

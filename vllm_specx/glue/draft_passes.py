@@ -163,11 +163,13 @@ class SpecxPasses(SpecDecodeBaseProposer):
             query_lens = (common_attn_metadata.query_start_loc_cpu[1:num_reqs + 1]
                           - common_attn_metadata.query_start_loc_cpu[:num_reqs]).numpy()
             plan = self.plan_before_first_pass(
-                k, req_ids, num_rejected_tokens_gpu, target_tokens,
-                lambda: holes.may_skip(req_ids, first_pos, query_lens))
+                k, req_ids, num_rejected_tokens_gpu, target_tokens, lambda: True)
             if plan is not None and plan.skip_first_pass:
-                # Nobody drafts: a plain decode step, the drafter does no work at all.
-                holes.skip(req_ids, first_pos)
+                # Nobody drafts: a plain decode step; the drafter does no work beyond
+                # catching up blocks vLLM caches this step (DraftKVHoles.skip).
+                holes.skip(self, common_attn_metadata, req_ids, first_pos, query_lens,
+                           runner.input_batch.num_tokens_no_spec[:num_reqs],
+                           runner.input_batch.token_ids_cpu)
                 return [[] for _ in range(num_reqs)]
             holes.catch_up(self, common_attn_metadata, req_ids, first_pos,
                            runner.input_batch.token_ids_cpu)
@@ -404,11 +406,11 @@ class DraftKVHoles:
     itself feeds), the way a chunked prefill would: the draft then reads exactly the KV
     it would have had without the skip.
 
-    With prefix caching, vLLM caches a block once the target has computed all of it, and
-    another request (a chat's next turn) may reuse it, draft KV included: a skip is
-    refused for a step in which any request's hole would reach the end of its block, so
-    no cached block lacks draft KV (the drafter then runs at least one first pass per
-    block and request while nobody drafts).
+    With prefix caching, vLLM caches a block once the target has computed all of it with
+    committed tokens, and another request (a chat's next turn) may reuse it, draft KV
+    included: a skipped step catches up, for the requests whose hole reaches into such a
+    block, the hole up to that block's end (committed tokens the runner holds), so no
+    cached block lacks draft KV; the other requests cost nothing.
     """
 
     def __init__(self, block_size: int, prefix_caching: bool) -> None:
@@ -416,7 +418,7 @@ class DraftKVHoles:
         self.prefix_caching = prefix_caching
         self.start: dict[str, int] = {}  # request id -> first position without draft KV
         self.skipped_first_passes = 0
-        self.refused_skips = 0  # all-zero steps that ran the first pass (block ends)
+        self.block_end_catch_ups = 0  # skipped steps that caught up blocks vLLM caches
         self.catch_up_steps = 0  # first passes preceded by a catch-up
         self.catch_up_passes = 0
         self.catch_up_tokens = 0
@@ -424,25 +426,29 @@ class DraftKVHoles:
         # set it small to exercise holes caught up over several passes.
         self.pass_tokens: int | None = None
 
-    def may_skip(self, req_ids: Sequence[str], first_pos: np.ndarray,
-                 query_lens: np.ndarray) -> bool:
-        """Whether this step's first pass may be skipped: with prefix caching, no request's
-        hole (existing, or starting at this step's first query token) may reach the end of
-        its block in this step (the target computes up to ``first_pos + query_lens - 1``)."""
-        if self.prefix_caching:
-            bs = self.block_size
-            for rid, q, n in zip(req_ids, first_pos.tolist(), query_lens.tolist()):
-                h = self.start.get(rid, q)
-                if (q + n) // bs != h // bs:
-                    self.refused_skips += 1
-                    return False
-        return True
-
-    def skip(self, req_ids: Sequence[str], first_pos: np.ndarray) -> None:
+    def skip(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
+             req_ids: Sequence[str], first_pos: np.ndarray, query_lens: np.ndarray,
+             committed: np.ndarray, token_ids_cpu: np.ndarray) -> None:
         """This step's first pass is skipped: the positions from each request's first query
-        token on lack draft KV (unless an earlier skip's hole already starts before)."""
-        for rid, q in zip(req_ids, first_pos.tolist()):
-            self.start.setdefault(rid, int(q))
+        token on lack draft KV (unless an earlier skip's hole already starts before). With
+        prefix caching, the blocks vLLM caches by this step (those the target completes
+        with committed tokens: below ``min(first_pos + query_lens, committed)``, rounded
+        down to a block) are caught up now for the requests whose hole reaches into them,
+        so no cached block lacks draft KV; only those requests' tokens are fed."""
+        bs = self.block_size
+        spans: dict[int, list[int]] = {}
+        for i, (rid, q, n, c) in enumerate(zip(req_ids, first_pos.tolist(),
+                                               query_lens.tolist(), committed.tolist())):
+            h = self.start.get(rid, int(q))
+            if self.prefix_caching:
+                cut = (min(int(q) + int(n), int(c)) // bs) * bs
+                if h < cut:
+                    spans[i] = [h, cut]
+                    h = cut
+            self.start[rid] = h
+        if spans:
+            self.block_end_catch_ups += 1
+            self._catch_up_spans(proposer, cad, len(req_ids), spans, token_ids_cpu)
         self.skipped_first_passes += 1
         if len(self.start) > 4 * max(len(req_ids), 64):
             # Finished requests never come back: keep the batch's.
@@ -464,9 +470,15 @@ class DraftKVHoles:
             q = int(first_pos[i])
             if h is not None and h < q:
                 todo[i] = [h, q]
+        self.catch_up_steps += bool(todo)
+        self._catch_up_spans(proposer, cad, len(req_ids), todo, token_ids_cpu)
+
+    def _catch_up_spans(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
+                        num_reqs: int, todo: dict[int, list[int]],
+                        token_ids_cpu: np.ndarray) -> None:
+        """Feed batch row ``i`` its committed tokens at ``todo[i] = [start, end)``."""
         budget = max(int(self.pass_tokens or proposer.input_ids.shape[0]), 1)
         device = cad.seq_lens.device
-        self.catch_up_steps += bool(todo)
         while todo:
             rows: list[int] = []
             pieces: list[tuple[int, int]] = []
@@ -486,7 +498,7 @@ class DraftKVHoles:
             rows_t = torch.tensor(rows, dtype=torch.int64)
             # LookaheadPasses feeds row r at positions P_r + 1 + col (col >= start_r) over a
             # sequence of P_r + 1 + j: P_r = b_r - 1 - j puts the last token at b_r - 1.
-            base = torch.zeros(len(req_ids), dtype=torch.int64)
+            base = torch.zeros(num_reqs, dtype=torch.int64)
             base[rows_t] = torch.tensor([b - j for _, b in pieces], dtype=torch.int64)
             passes = LookaheadPasses(proposer, cad, (base - 1).to(device), base.to(device))
             passes.run(rows_t, tails, j - lens)
@@ -500,7 +512,7 @@ class DraftKVHoles:
 
     def as_dict(self) -> dict[str, int]:
         return {"skipped_first_passes": self.skipped_first_passes,
-                "all_zero_steps_that_ran_it": self.refused_skips,
+                "block_end_catch_ups": self.block_end_catch_ups,
                 "catch_up_steps": self.catch_up_steps,
                 "catch_up_passes": self.catch_up_passes,
                 "catch_up_tokens": self.catch_up_tokens}
