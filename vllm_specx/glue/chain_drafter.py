@@ -167,20 +167,19 @@ class ChainRound:
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
-        target_tokens: int, may_skip: Any,
+        target_tokens: int,
     ) -> Any:
         """The cost control's plan, made before the first pass (V1 drafters that skip an
         idle first pass, ``skips_idle_first_pass``): the step's cost then splits into the
         target side and a round that includes the first pass, so the control weighs the
-        first pass against what drafting brings. All zero and ``may_skip()``: the step
-        is a plain decode step (the caller skips the first pass); all zero otherwise:
-        the round runs the first pass and drafts nothing."""
+        first pass against what drafting brings. All zero: the step is a plain decode
+        step (``skip_first_pass``: the caller skips the first pass)."""
         control = self.cost_control(k)
         if control is None:
             return None
         control.begin(req_ids, num_rejected, target_tokens)
         plan = control.plan(req_ids, k, self.stop_rule(k), self.device)
-        if not bool(plan.caps.any()) and may_skip():
+        if not bool(plan.caps.any()):
             plan.skip_first_pass = True
             self.stats.record([0] * len(req_ids), k, 0, 0, 0)
             control.end(req_ids, [0] * len(req_ids), 0, 0)

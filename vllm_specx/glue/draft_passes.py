@@ -163,7 +163,7 @@ class SpecxPasses(SpecDecodeBaseProposer):
             query_lens = (common_attn_metadata.query_start_loc_cpu[1:num_reqs + 1]
                           - common_attn_metadata.query_start_loc_cpu[:num_reqs]).numpy()
             plan = self.plan_before_first_pass(
-                k, req_ids, num_rejected_tokens_gpu, target_tokens, lambda: True)
+                k, req_ids, num_rejected_tokens_gpu, target_tokens)
             if plan is not None and plan.skip_first_pass:
                 # Nobody drafts: a plain decode step; the drafter does no work beyond
                 # catching up blocks vLLM caches this step (DraftKVHoles.skip).
@@ -214,14 +214,12 @@ class SpecxPasses(SpecDecodeBaseProposer):
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
-        target_tokens: int, may_skip: Any,
+        target_tokens: int,
     ) -> Any:
         """The round's plan made before its first pass (a ``RoundPlan``:
         ``skip_first_pass`` skips it, nobody drafts), or None (no plan: the first pass
-        runs and the round plans for itself). ``may_skip()`` says whether the first pass
-        may be skipped at all this step (:meth:`DraftKVHoles.may_skip`). Drafters that
-        plan (cost control) override it; the plan then reaches :meth:`draft_round` as
-        ``start.plan``."""
+        runs and the round plans for itself). Drafters that plan (cost control) override
+        it; the plan then reaches :meth:`draft_round` as ``start.plan``."""
         return None
 
     def draft_round(
