@@ -315,14 +315,8 @@ MTAD_DRAFT_TREE = Knob(
     "draft_tree", "tree", False, 'false, true or {"max_nodes": N} (N from 1 to 64)',
     "verify all num_beams beams at once as one draft tree (one target pass, ancestor-only "
     "attention; CPU, V1 or V2 runner) instead of the single best beam; true keeps every "
-    "beam "
-    "(up to num_beams * K nodes), {\"max_nodes\": N} the N nodes of highest joint draft "
+    "beam (up to num_beams * K nodes), {\"max_nodes\": N} the N nodes of highest joint draft "
     "probability",
-)
-TREE_NEEDS_CPU_V1 = V1OnlySetting(
-    "draft_tree", True,
-    "this method's tree drafter is hooked into the V1 runner only (draft-model trees, "
-    "mtad and adaptive, also run on Model Runner V2; CUDA and Ascend: next issue)",
 )
 
 
