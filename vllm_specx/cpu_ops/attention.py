@@ -24,7 +24,7 @@ set, every request is causal as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -327,7 +327,13 @@ def _attend_one_request(
             allowed[:n, s - n:] = masks.allowed[0, :n, :n]
         allowed[n:] = True
         scores = scores.masked_fill(~allowed, float("-inf"))
-    ctx = torch.matmul(torch.softmax(scores, dim=-1), gather(value_cache))[:, :, :n]
+        if masks is not None:
+            probs = _softmax_keys_first(scores, allowed, torch.softmax)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    ctx = torch.matmul(probs, gather(value_cache))[:, :, :n]
     out[first:first + n] = ctx.permute(2, 0, 1, 3).reshape(n, num_heads, head_size).to(out.dtype)
 
 
@@ -362,7 +368,12 @@ def _attend_padded(
         slopes = alibi_slopes.to(cdt).view(num_kv_heads, group)
         scores = scores + slopes[None, :, :, None, None] * (-dist.to(cdt))[:, None, None]
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = _softmax_with_sinks(scores, s_aux, num_kv_heads, cdt)
+    if masks is not None:
+        probs = _softmax_keys_first(
+            scores, allowed[:, None, None],
+            lambda x, dim: _softmax_with_sinks(x, s_aux, num_kv_heads, cdt))
+    else:
+        probs = _softmax_with_sinks(scores, s_aux, num_kv_heads, cdt)
     # Padding rows (and any row with nothing to attend to) would be 0/0: zero them
     # explicitly rather than nan_to_num, which would also hide real NaNs.
     probs = torch.where(allowed.any(dim=-1)[:, None, None, :, None], probs, 0.0)
@@ -451,6 +462,27 @@ def _allowed_keys(
         seen = table.gather(2, j.clamp(0, max_q - 1).expand(-1, num_rows, -1))
         allowed &= (j < 0) | seen
     return allowed, dist
+
+
+def _softmax_keys_first(
+    scores: torch.Tensor, allowed: torch.Tensor,
+    softmax: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """``softmax(scores, dim=-1)`` with each row's seen keys moved to the front first (in
+    their slot order) and the result moved back: under a tree mask a node's keys are the
+    context, the root and its ancestors, with masked siblings between them, and the
+    vectorised max/sum of a softmax groups elements by their index, so the same keys at
+    other indices would be summed in another order. Compacted, a node's row is reduced
+    exactly as the row of plain decoding at its position (keys ``0 .. p``, nothing masked
+    in between), so greedy tree decoding is bit-for-bit plain decoding in float32 and
+    bfloat16 alike. The products with V need nothing: a matrix product adds its terms in
+    key order, and the masked keys' zero weights add nothing exactly. ``allowed``
+    broadcasts against ``scores``; ancestors precede their children in slot order (BFS),
+    so the seen keys keep the chain's order."""
+    hidden = (~allowed).to(torch.int8).expand(scores.shape)
+    order = torch.argsort(hidden, dim=-1, stable=True)
+    compact = softmax(torch.gather(scores, -1, order), dim=-1)
+    return torch.empty_like(compact).scatter_(-1, order, compact)
 
 
 def _softmax_with_sinks(
