@@ -77,6 +77,24 @@ def _attend(reqs: list[dict], num_heads: int, num_kv_heads: int, masks=None) -> 
     return output
 
 
+def _requests(spec, num_heads: int, num_kv_heads: int, rand):
+    """Random requests for ``spec`` ((context length, parents or None for an ordinary
+    causal request of 5 query rows) each): the requests, their trees' ancestor masks, and
+    per tree node ``(request, query row, root-to-node rows, the node's keys)``."""
+    reqs, trees, nodes = [], {}, []
+    for r, (ctx, parents) in enumerate(spec):
+        q_len = 5 if parents is None else len(parents) + 1
+        reqs.append(dict(q=rand(q_len, num_heads, HEAD), k=rand(ctx + q_len, num_kv_heads, HEAD),
+                         v=rand(ctx + q_len, num_kv_heads, HEAD)))
+        if parents is None:
+            continue
+        trees[r] = ancestor_mask(parents)
+        for node in range(-1, len(parents)):
+            rows = path_rows(parents, node)
+            nodes.append((r, node + 1, rows, list(range(ctx)) + [ctx + i for i in rows]))
+    return reqs, trees, nodes
+
+
 # Trees as parent lists (index within the request, -1 = child of the root), BFS order.
 TREES = [
     [-1, -1, 0, 0, 1, 2, 2, 5],  # two beams' worth of branching, depth 4
@@ -101,20 +119,10 @@ def test_tree_rows_equal_root_to_node_chains(layout):
         spec = [(21, TREES[0])]
     else:
         spec = [(21, TREES[0]), (9, None), (40, TREES[1]), (1, TREES[2]), (33, None)]
-    reqs, trees, chains, expect = [], {}, [], []
-    for r, (ctx, parents) in enumerate(spec):
-        q_len = 5 if parents is None else len(parents) + 1
-        req = dict(q=rand(q_len, num_heads, HEAD), k=rand(ctx + q_len, num_kv_heads, HEAD),
-                   v=rand(ctx + q_len, num_kv_heads, HEAD))
-        reqs.append(req)
-        if parents is None:
-            continue
-        trees[r] = ancestor_mask(parents)
-        for node in range(-1, len(parents)):
-            rows = path_rows(parents, node)
-            keep = list(range(ctx)) + [ctx + i for i in rows]
-            chains.append(dict(q=req["q"][rows], k=req["k"][keep], v=req["v"][keep]))
-            expect.append((r, node + 1, len(chains) - 1))
+    reqs, trees, nodes = _requests(spec, num_heads, num_kv_heads, rand)
+    chains = [dict(q=reqs[r]["q"][rows], k=reqs[r]["k"][keep], v=reqs[r]["v"][keep])
+              for r, _, rows, keep in nodes]
+    expect = [(r, row, c) for c, (r, row, _, _) in enumerate(nodes)]
     q_lens = [r["q"].shape[0] for r in reqs]
     masks = QueryMasks.causal_except(q_lens, trees)
     tree_out = _attend(reqs, num_heads, num_kv_heads, masks)
@@ -232,20 +240,9 @@ def test_tree_rows_are_bitwise_plain_decoding(layout, dtype):
     spec = [(300, TREES[0])]
     if layout == "mixed_batch":
         spec += [(9, None), (150, TREES[2])]
-    reqs, trees, singles = [], {}, []
-    for r, (ctx, parents) in enumerate(spec):
-        q_len = 5 if parents is None else len(parents) + 1
-        req = dict(q=rand(q_len, num_heads, HEAD), k=rand(ctx + q_len, num_kv_heads, HEAD),
-                   v=rand(ctx + q_len, num_kv_heads, HEAD))
-        reqs.append(req)
-        if parents is None:
-            continue
-        trees[r] = ancestor_mask(parents)
-        for node in range(-1, len(parents)):
-            rows = path_rows(parents, node)
-            keep = list(range(ctx)) + [ctx + i for i in rows]
-            singles.append((r, node + 1, dict(q=req["q"][rows[-1:]], k=req["k"][keep],
-                                              v=req["v"][keep])))
+    reqs, trees, nodes = _requests(spec, num_heads, num_kv_heads, rand)
+    singles = [(r, row, dict(q=reqs[r]["q"][rows[-1:]], k=reqs[r]["k"][keep],
+                             v=reqs[r]["v"][keep])) for r, row, rows, keep in nodes]
     q_lens = [x["q"].shape[0] for x in reqs]
     out = _attend(reqs, num_heads, num_kv_heads, QueryMasks.causal_except(q_lens, trees))
     start = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
