@@ -10,7 +10,7 @@ set +e
 # at once. VLLM_SPECX_TEST_WORKERS=0 runs everything in this process. --durations=30 lists the
 # slowest tests at the end: the suite must stay under 20 minutes on 2 cores, so every run
 # (CI's included) says where the time goes.
-python -m pytest -n "${VLLM_SPECX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
+python -m pytest -n "${VLLM_SPECX_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder \
     --durations=30 "$@"
 rc=$?
 set -e

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,23 +46,46 @@ SLOWEST_DIRECTORIES_FIRST = ("load", "v2", "parallel", "glue", "mtad", "mtp", "e
                              "training", "adaptive", "engine")
 
 
+def _test_directory(nodeid: str) -> str:
+    """``tests/mtad/test_x.py::test_y[p]`` -> ``tests/mtad``; a test file directly under
+    tests/ is its own group."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadscope`` (scripts/test.sh runs two workers) a work unit is a whole
+    directory under tests/, not a module: a directory's session- and module-scoped fixtures
+    (its models, heads and shared engines) are then built once, in one worker, not once per
+    worker that happens to get some of its tests.
+
+    Why a scheduler and not ``--dist loadgroup`` with an ``xdist_group`` mark per directory:
+    pytest-xdist 3.8 groups by appending ``@group`` to ``item._nodeid``, which pytest 9.2 no
+    longer reads (``Node.nodeid`` comes from ``_id``), so loadgroup silently became ``load``
+    and every engine fixture of a directory was built in both workers (measured: the
+    hetero-vocabulary mtad engine twice, 33 s + 30 s)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DirectoryScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _test_directory(nodeid)
+
+    return DirectoryScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the tests by their directory under tests/ for pytest-xdist's ``loadgroup``
-    (scripts/test.sh runs two workers): a directory's session-scoped fixtures (its models,
-    heads and shared engines) are then built once, in one worker, not once per worker. In
-    an xdist worker the slowest directories also come first (scripts/test.sh passes
-    ``--no-loadscope-reorder`` so the workers take them in this order)."""
-    tests_root = Path(__file__).parent
+    """In an xdist worker the slowest directories come first (scripts/test.sh passes
+    ``--no-loadscope-reorder``, so the controller hands the directories out in this order)."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: i for i, name in enumerate(SLOWEST_DIRECTORIES_FIRST)}
 
     def directory(item: pytest.Item) -> str:
-        try:
-            return item.path.relative_to(tests_root).parts[0]
-        except ValueError:
-            return ""
+        parts = _test_directory(item.nodeid).split("/")
+        return parts[1] if len(parts) == 2 and not parts[1].endswith(".py") else ""
 
-    for item in items:
-        if directory(item):
-            item.add_marker(pytest.mark.xdist_group(directory(item)))
-    if hasattr(config, "workerinput"):
-        rank = {name: i for i, name in enumerate(SLOWEST_DIRECTORIES_FIRST)}
-        items.sort(key=lambda item: rank.get(directory(item), len(rank)))  # stable
+    items.sort(key=lambda item: rank.get(directory(item), len(rank)))  # stable
