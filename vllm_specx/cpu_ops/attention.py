@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -72,6 +73,27 @@ class QueryMasks:
                 raise ValueError(f"request {r}: a query row must see itself and no later row")
             allowed[r, :q, :q] = mask.to(torch.bool)
         return cls(torch.tensor(q_lens, dtype=torch.int64), allowed)
+
+    @cached_property
+    def tree_rows(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per request whose mask is not the causal one: its query rows grouped by how
+        many query rows each sees (its depth + 1), as ``(rows [nd], seen [nd, c])`` --
+        the rows, and the query rows each sees in slot order. Built once per forward
+        (every layer's call reads it), not once per layer."""
+        out: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for r, q in enumerate(self.q_lens.tolist()):
+            mask = self.allowed[r, :q, :q]
+            if torch.equal(mask, torch.ones(q, q, dtype=torch.bool).tril()):
+                continue
+            counts = mask.sum(dim=1)
+            groups = []
+            for c in torch.unique(counts).tolist():
+                rows = torch.nonzero(counts == c).flatten()
+                # nonzero walks row-major: each row's c seen rows, ascending.
+                seen = torch.nonzero(mask[rows])[:, 1].view(rows.shape[0], c)
+                groups.append((rows, seen))
+            out[r] = groups
+        return out
 
 
 # The masks of the forward pass running now (None: every request causal). Set only
@@ -256,13 +278,23 @@ def cpu_attention_with_kv_cache(
         # A tree node's position is ctx + depth, not its key slot: a window over slots
         # would cut the wrong keys (tree configs are refused for such targets first).
         raise NotImplementedError("vllm-specx: tree query masks with a sliding window")
-    if (batch.num_reqs == 1 and alibi_slopes is None and softcap <= 0 and s_aux is None
-            and (window == 0 or window >= batch.max_s)):
-        _attend_one_request(query, key_cache, value_cache, out, batch, scale, block_table,
-                            masks)
+    plain = alibi_slopes is None and softcap <= 0 and s_aux is None
+    tree_rows = masks.tree_rows if masks is not None and plain else {}
+    if batch.num_reqs == 1 and plain and (window == 0 or window >= batch.max_s):
+        if tree_rows:
+            _tree_rows_as_decoding(query, key_cache, value_cache, out, batch, scale,
+                                   block_table, 0, tree_rows[0])
+        else:
+            _attend_one_request(query, key_cache, value_cache, out, batch, scale,
+                                block_table)
         return
     _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
                    window, softcap, alibi_slopes, s_aux, masks)
+    # A tree request's rows again, each computed as plain decoding computes it (see
+    # _tree_rows_as_decoding); the padded pass's rows for it are within 1e-5 of these.
+    for r, groups in tree_rows.items():
+        _tree_rows_as_decoding(query, key_cache, value_cache, out, batch, scale,
+                               block_table, r, groups)
 
 
 class _Batch:
@@ -294,7 +326,6 @@ def _attend_one_request(
     batch: _Batch,
     scale: float,
     block_table: torch.Tensor,
-    masks: QueryMasks | None = None,
 ) -> None:
     """One request without ALiBi, softcap, sinks or a window that cuts its keys: the
     common decoding/verification step at batch 1, in a few ops (no padding, no per-row
@@ -323,18 +354,65 @@ def _attend_one_request(
         # Query row i sits at position s - n + i and sees keys 0..s - n + i (padding
         # rows see all: they are dropped below).
         allowed = torch.ones(rows, s, dtype=torch.bool).tril(diagonal=s - n)
-        if masks is not None:
-            allowed[:n, s - n:] = masks.allowed[0, :n, :n]
         allowed[n:] = True
         scores = scores.masked_fill(~allowed, float("-inf"))
-        if masks is not None:
-            probs = _softmax_keys_first(scores, allowed, torch.softmax)
-        else:
-            probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
     else:
         probs = torch.softmax(scores, dim=-1)
     ctx = torch.matmul(probs, gather(value_cache))[:, :, :n]
     out[first:first + n] = ctx.permute(2, 0, 1, 3).reshape(n, num_heads, head_size).to(out.dtype)
+
+
+def _tree_rows_as_decoding(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: _Batch,
+    scale: float,
+    block_table: torch.Tensor,
+    r: int,
+    groups: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Request ``r``'s tree rows, each bit for bit what plain decoding computes at that
+    node's position (one query token over the context and the node's root-to-node path,
+    :func:`_attend_one_request` with ``n = 1``).
+
+    Why not the masked product over all the request's keys: CPU matrix kernels (MKL,
+    oneDNN) choose their summation blocking from the product's shape, so masked
+    siblings' zero weights between a node's ancestors -- or only trailing zeros past
+    them -- change the last bit of ``probs @ V`` (AVX2 kernels at any length, AVX-512
+    ones from ~500 keys), and a last-bit change flips near-ties of a greedy argmax.
+    So each node gets its own keys and values gathered in its chain's order (context,
+    then its ancestors and itself) and exactly plain decoding's shapes: ``[4, D] @ [D,
+    L]`` for the scores (the query in row 0 of MIN_MATMUL_ROWS, the rest zero), a
+    softmax over exactly its ``L`` keys, and ``[4, L] @ [L, D]`` for the values. Nodes
+    of one depth have the same ``L`` and share one batched call.
+    """
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    n, s = int(batch.q_lens[r]), int(batch.s_lens[r])
+    first, ctx = int(batch.qsl[r]), s - n
+    cdt = _compute_dtype(query.dtype)
+    n_blk = (s + block_size - 1) // block_size
+    blocks = block_table[r:r + 1, :n_blk].to(torch.int64)
+    keys = _gather_blocks(key_cache, blocks, s, cdt)[0]  # [kv_heads, s, head]
+    values = _gather_blocks(value_cache, blocks, s, cdt)[0]
+    # [n, kv_heads, group, head] -> [kv_heads, n, group, 1, head]
+    q_all = query[first:first + n].view(n, num_kv_heads, group, 1, head_size)
+    q_all = q_all.permute(1, 0, 2, 3, 4).to(cdt)
+    for rows, seen in groups:
+        nd = rows.shape[0]
+        idx = torch.cat((torch.arange(ctx).expand(nd, ctx), ctx + seen), dim=1)  # [nd, L]
+        q = torch.cat((q_all[:, rows], q_all.new_zeros(
+            num_kv_heads, nd, group, MIN_MATMUL_ROWS - 1, head_size)), dim=3)
+        k = keys[:, idx].unsqueeze(2)  # [kv_heads, nd, 1, L, head]
+        v = values[:, idx].unsqueeze(2)
+        probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
+        ctx_rows = torch.matmul(probs, v)[:, :, :, 0]  # [kv_heads, nd, group, head]
+        out[first + rows] = ctx_rows.permute(1, 0, 2, 3).reshape(
+            nd, num_heads, head_size).to(out.dtype)
 
 
 def _attend_padded(
@@ -474,9 +552,11 @@ def _softmax_keys_first(
     vectorised max/sum of a softmax groups elements by their index, so the same keys at
     other indices would be summed in another order. Compacted, a node's row is reduced
     exactly as the row of plain decoding at its position (keys ``0 .. p``, nothing masked
-    in between), so greedy tree decoding is bit-for-bit plain decoding in float32 and
-    bfloat16 alike. The products with V need nothing: a matrix product adds its terms in
-    key order, and the masked keys' zero weights add nothing exactly. ``allowed``
+    in between). The padded path's tree rows are then within 1e-5 of plain decoding;
+    the product with V still sums the masked keys' zero weights with a blocking that
+    depends on the shape, so rows that must be bit for bit plain decoding are computed
+    again by :func:`_tree_rows_as_decoding` (all tree rows without ALiBi, softcap or
+    sinks; this keys-first softmax is what the rest keep). ``allowed``
     broadcasts against ``scores``; ancestors precede their children in slot order (BFS),
     so the seen keys keep the chain's order."""
     hidden = (~allowed).to(torch.int8).expand(scores.shape)
