@@ -75,25 +75,59 @@ class QueryMasks:
         return cls(torch.tensor(q_lens, dtype=torch.int64), allowed)
 
     @cached_property
-    def tree_rows(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Per request whose mask is not the causal one: its query rows grouped by how
-        many query rows each sees (its depth + 1), as ``(rows [nd], seen [nd, c])`` --
-        the rows, and the query rows each sees in slot order. Built once per forward
-        (every layer's call reads it), not once per layer."""
-        out: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    def tree_rows(self) -> dict[int, _TreeRows]:
+        """Per request whose mask is not the causal one, its rows' plan for
+        :func:`_tree_rows_as_decoding`. Built once per forward (every layer's call reads
+        it), not once per layer."""
+        out: dict[int, _TreeRows] = {}
         for r, q in enumerate(self.q_lens.tolist()):
             mask = self.allowed[r, :q, :q]
-            if torch.equal(mask, torch.ones(q, q, dtype=torch.bool).tril()):
-                continue
-            counts = mask.sum(dim=1)
-            groups = []
-            for c in torch.unique(counts).tolist():
-                rows = torch.nonzero(counts == c).flatten()
-                # nonzero walks row-major: each row's c seen rows, ascending.
-                seen = torch.nonzero(mask[rows])[:, 1].view(rows.shape[0], c)
-                groups.append((rows, seen))
-            out[r] = groups
+            if not torch.equal(mask, torch.ones(q, q, dtype=torch.bool).tril()):
+                out[r] = _TreeRows.of(mask)
         return out
+
+
+@dataclass
+class _TreeRows:
+    """A tree request's query rows grouped by how many query rows each sees (its depth
+    + 1): ``order`` [n] the rows, group after group; ``groups`` ``(start, end, c)``
+    slices of ``order``; ``seen`` per group ``[end - start, c]`` the query rows each
+    row sees, in slot order. The key slots per context length are cached (one forward
+    calls every layer with the same context)."""
+
+    order: torch.Tensor
+    in_order: bool  # order is 0..n-1 (BFS trees): rows are written back as one slice
+    groups: list[tuple[int, int, int]]
+    seen: list[torch.Tensor]
+    _slots: dict[tuple[int, int], torch.Tensor]
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> _TreeRows:
+        counts = mask.sum(dim=1)
+        order = torch.argsort(counts, stable=True)
+        groups, seen, start = [], [], 0
+        for c in torch.unique(counts).tolist():
+            rows = order[start:start + int((counts == c).sum())]
+            # nonzero walks row-major: each row's c seen rows, ascending.
+            seen.append(torch.nonzero(mask[rows])[:, 1].view(rows.shape[0], c))
+            groups.append((start, start + rows.shape[0], c))
+            start += rows.shape[0]
+        in_order = torch.equal(order, torch.arange(order.shape[0]))
+        return cls(order, in_order, groups, seen, {})
+
+    def key_slots(self, s: int, ctx: int, num_kv_heads: int) -> torch.Tensor:
+        """Every row's keys in its chain's order (context, then the query rows it sees),
+        as rows of the request's ``[kv_heads * s, head]`` keys, group after group, each
+        group ``[kv_heads, rows, L]`` (contiguous per group: its products need no copy)."""
+        got = self._slots.get((s, num_kv_heads))
+        if got is None:
+            heads = s * torch.arange(num_kv_heads)[:, None]
+            got = torch.cat([
+                (torch.cat((torch.arange(ctx).expand(seen.shape[0], ctx), ctx + seen),
+                           dim=1).flatten()[None, :] + heads).flatten()
+                for seen in self.seen])
+            self._slots[(s, num_kv_heads)] = got
+        return got
 
 
 # The masks of the forward pass running now (None: every request causal). Set only
@@ -292,9 +326,9 @@ def cpu_attention_with_kv_cache(
                    window, softcap, alibi_slopes, s_aux, masks)
     # A tree request's rows again, each computed as plain decoding computes it (see
     # _tree_rows_as_decoding); the padded pass's rows for it are within 1e-5 of these.
-    for r, groups in tree_rows.items():
+    for r, plan in tree_rows.items():
         _tree_rows_as_decoding(query, key_cache, value_cache, out, batch, scale,
-                               block_table, r, groups)
+                               block_table, r, plan)
 
 
 class _Batch:
@@ -372,7 +406,7 @@ def _tree_rows_as_decoding(
     scale: float,
     block_table: torch.Tensor,
     r: int,
-    groups: list[tuple[torch.Tensor, torch.Tensor]],
+    plan: _TreeRows,
 ) -> None:
     """Request ``r``'s tree rows, each bit for bit what plain decoding computes at that
     node's position (one query token over the context and the node's root-to-node path,
@@ -387,7 +421,8 @@ def _tree_rows_as_decoding(
     then its ancestors and itself) and exactly plain decoding's shapes: ``[4, D] @ [D,
     L]`` for the scores (the query in row 0 of MIN_MATMUL_ROWS, the rest zero), a
     softmax over exactly its ``L`` keys, and ``[4, L] @ [L, D]`` for the values. Nodes
-    of one depth have the same ``L`` and share one batched call.
+    of one depth have the same ``L`` and share one batched call; the gathers of all rows'
+    keys and values are one indexing each.
     """
     _, num_kv_heads, block_size, head_size = key_cache.shape
     num_heads = query.shape[1]
@@ -397,22 +432,38 @@ def _tree_rows_as_decoding(
     cdt = _compute_dtype(query.dtype)
     n_blk = (s + block_size - 1) // block_size
     blocks = block_table[r:r + 1, :n_blk].to(torch.int64)
-    keys = _gather_blocks(key_cache, blocks, s, cdt)[0]  # [kv_heads, s, head]
-    values = _gather_blocks(value_cache, blocks, s, cdt)[0]
-    # [n, kv_heads, group, head] -> [kv_heads, n, group, 1, head]
-    q_all = query[first:first + n].view(n, num_kv_heads, group, 1, head_size)
-    q_all = q_all.permute(1, 0, 2, 3, 4).to(cdt)
-    for rows, seen in groups:
-        nd = rows.shape[0]
-        idx = torch.cat((torch.arange(ctx).expand(nd, ctx), ctx + seen), dim=1)  # [nd, L]
-        q = torch.cat((q_all[:, rows], q_all.new_zeros(
-            num_kv_heads, nd, group, MIN_MATMUL_ROWS - 1, head_size)), dim=3)
-        k = keys[:, idx].unsqueeze(2)  # [kv_heads, nd, 1, L, head]
-        v = values[:, idx].unsqueeze(2)
-        probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
-        ctx_rows = torch.matmul(probs, v)[:, :, :, 0]  # [kv_heads, nd, group, head]
-        out[first + rows] = ctx_rows.permute(1, 0, 2, 3).reshape(
-            nd, num_heads, head_size).to(out.dtype)
+    # Every row's keys and values at once (rows of [kv_heads * s, head]): the request's
+    # keys converted once (as plain decoding gathers them), then copied row by row.
+    pos = plan.key_slots(s, ctx, num_kv_heads)
+    keys = _gather_blocks(key_cache, blocks, s, cdt)[0].reshape(-1, head_size)
+    keys = keys.index_select(0, pos)
+    values = _gather_blocks(value_cache, blocks, s, cdt)[0].reshape(-1, head_size)
+    values = values.index_select(0, pos)
+    q = query[first:first + n]
+    if not plan.in_order:
+        q = q[plan.order]
+    # [n, kv_heads, group, head] -> [kv_heads, n, m, head]: a kv head's query heads as the
+    # rows of one product, zero rows up to MIN_MATMUL_ROWS (probed: the same bits as the
+    # one-token decode's [group, MIN_MATMUL_ROWS] layout, without its broadcast copies).
+    m = max(group, MIN_MATMUL_ROWS)
+    q = q.view(n, num_kv_heads, group, head_size).transpose(0, 1).to(cdt)
+    if m > group:
+        q = torch.cat((q, q.new_zeros(num_kv_heads, n, m - group, head_size)), dim=2)
+    parts, at = [], 0
+    for start, end, c in plan.groups:
+        nd, length = end - start, ctx + c
+        size = num_kv_heads * nd * length
+        k = keys[at:at + size].view(num_kv_heads, nd, length, head_size)
+        v = values[at:at + size].view(num_kv_heads, nd, length, head_size)
+        at += size
+        probs = torch.softmax(torch.matmul(q[:, start:end], k.transpose(-1, -2)) * scale,
+                              dim=-1)
+        parts.append(torch.matmul(probs, v)[:, :, :group])  # [kv_heads, nd, group, head]
+    rows = torch.cat(parts, dim=1).permute(1, 0, 2, 3).reshape(n, num_heads, head_size)
+    if plan.in_order:
+        out[first:first + n] = rows.to(out.dtype)
+    else:
+        out[first + plan.order] = rows.to(out.dtype)
 
 
 def _attend_padded(
