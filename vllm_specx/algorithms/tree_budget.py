@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_specx.algorithms.draft_length import StepCosts
+
 TargetCost = Callable[[int], float]  # total kept nodes S -> target forward time
 
 
@@ -92,6 +94,23 @@ def calibrated_path_values(
     """
     q = np.asarray(path_draft_probs, dtype=np.float64)
     return monotone_path_values(parents, np.minimum(1.0, acceptance_scale * q))
+
+
+def step_costs_target(costs: StepCosts, num_reqs: int) -> TargetCost:
+    """The chain control's learnt target cost as a function of the kept tree nodes.
+
+    ``MeasuredCosts`` learns the target in query tokens (``B`` requests' own tokens plus
+    ``S`` drafts), which is what a tree's nodes are too, so the same model sizes trees.
+    """
+    return lambda s: float(costs.target(num_reqs, int(s)))
+
+
+def step_costs_paid(costs: StepCosts, drafted: bool, passes: int, fed_rows: int) -> float:
+    """What a tree step has paid before pruning: the first pass (``fixed``), the round's
+    first draw (``draft_round``, when it drafted at all) and ``passes`` head passes over
+    ``fed_rows`` rows in all."""
+    return float(costs.fixed + (costs.draft_round if drafted else 0.0)
+                 + passes * costs.draft_pass + fed_rows * costs.draft_row)
 
 
 @dataclass(frozen=True)
