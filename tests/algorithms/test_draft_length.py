@@ -15,7 +15,9 @@ from vllm_specx.algorithms.draft_length import (
     AcceptanceHistory,
     CostStop,
     StepCosts,
+    beam_step_time,
     choose_draft_lengths,
+    choose_step_depth,
     expected_gains,
     expected_tokens,
 )
@@ -178,3 +180,60 @@ def test_acceptance_history_rates_and_probes():
     assert before < after == pytest.approx(h.pooled_rates()[0], abs=0.01)
     h.forget_except(["good"])
     assert h.rates(["bad"])[0].tolist() == pytest.approx(h.pooled_rates().tolist())
+
+
+# -- choose_step_depth: one depth for the whole batch of a beam round (mtad) ------------
+
+
+def _brute_force_depth(gains: np.ndarray, costs: StepCosts, widths: list[int],
+                       caps: list[int]) -> tuple[int, float]:
+    """Every depth 0..K costed by beam_step_time's definition; the first best (reference)."""
+    best_depth, best_rate = 0, -1.0
+    for depth in range(gains.shape[1] + 1):
+        lengths = [min(depth, c) for c in caps]
+        rate = expected_tokens(gains, lengths) / beam_step_time(costs, lengths, widths)
+        if rate > best_rate * (1.0 + 1e-12):
+            best_depth, best_rate = depth, rate
+    return best_depth, best_rate
+
+
+def test_step_depth_matches_brute_force_on_random_costs_rates_and_beams():
+    rng = np.random.default_rng(7)
+    depths_seen: set[int] = set()
+    for _ in range(400):
+        num_reqs, k = int(rng.integers(1, 6)), int(rng.integers(1, 7))
+        rates = rng.uniform(0.0, 1.0, size=(num_reqs, k)) ** rng.uniform(0.2, 2.0)
+        gains = expected_gains(rates)
+        costs = _random_costs(rng)
+        widths = [int(x) for x in rng.integers(1, 9, size=num_reqs)]
+        caps = [int(x) for x in rng.integers(0, k + 1, size=num_reqs)]
+        choice = choose_step_depth(gains, costs, widths=widths, caps=caps)
+        depth, rate = _brute_force_depth(gains, costs, widths, caps)
+        assert math.isclose(choice.rate, rate, rel_tol=1e-9)
+        # Same rate, and the chosen depth's own lengths and time are consistent with it.
+        assert list(choice.lengths) == [min(choice.depth, c) for c in caps]
+        assert math.isclose(choice.step_time,
+                            beam_step_time(costs, choice.lengths, widths), rel_tol=1e-9)
+        if depth != choice.depth:  # equal rates at several depths with capped requests
+            assert math.isclose(rate, expected_tokens(gains, choice.lengths)
+                                / choice.step_time, rel_tol=1e-9)
+        depths_seen.add(choice.depth)
+    # The random cases reach both "nobody drafts" and deep rounds.
+    assert 0 in depths_seen and max(depths_seen) >= 4
+
+
+def test_step_depth_prices_beam_rows():
+    """Same acceptance, same costs: wider beams make the lookahead passes dearer, so the
+    chosen depth can only fall; free rows keep the full depth; worthless drafts give 0."""
+    gains = expected_gains(np.full((8, 6), 0.7))
+    costs = StepCosts(target_base=1.0, target_per_request=0.05, target_per_token=0.02,
+                      draft_pass=0.05, draft_row=0.01)
+    depths = [choose_step_depth(gains, costs, widths=b).depth for b in (1, 2, 4, 8, 16)]
+    assert depths == sorted(depths, reverse=True) and depths[0] > depths[-1]
+    free = StepCosts(target_base=1.0, target_per_request=0.0, target_per_token=0.0,
+                     draft_pass=0.0, draft_row=0.0)
+    assert choose_step_depth(gains, free, widths=8).depth == 6
+    hopeless = expected_gains(np.full((8, 6), 0.01))
+    choice = choose_step_depth(hopeless, costs, widths=4)
+    assert choice.depth == 0 and not choice.lengths.any()
+    assert math.isclose(choice.step_time, float(costs.target(8, 0)))

@@ -169,6 +169,79 @@ def choose_draft_lengths(
     return LengthChoice(lengths, rate, expected_tokens(g, lengths), costs.step_time(lengths))
 
 
+
+@dataclass(frozen=True)
+class DepthChoice:
+    depth: int  # K_step: every request drafts min(depth, cap_r) tokens
+    lengths: np.ndarray  # [R] int64, the resulting per-request lengths
+    rate: float  # E / C: expected tokens per unit of time
+    expected_tokens: float
+    step_time: float
+
+
+def beam_step_time(costs: StepCosts, lengths: Sequence[int], widths: Sequence[int]) -> float:
+    """``C(L)`` of a beam round (MTAD): as :meth:`StepCosts.step_time`, except that a
+    request still drafting at lookahead depth ``d`` carries ``widths[r]`` rows in that
+    pass (its live beams; 1 for a greedy chain) instead of one. The verification rows are
+    still one per drafted token: only the chosen beam is verified."""
+    lengths = [int(n) for n in lengths]
+    total = costs.fixed + float(costs.target(len(lengths), sum(lengths)))
+    if any(lengths):
+        total += costs.draft_round
+    for depth in range(1, max(lengths, default=0)):
+        rows = sum(int(w) for n, w in zip(lengths, widths) if n > depth)
+        total += costs.draft_pass + costs.draft_row * rows
+    return total
+
+
+def choose_step_depth(
+    gains: np.ndarray | torch.Tensor,
+    costs: StepCosts,
+    widths: Sequence[int] | np.ndarray | int = 1,
+    caps: Sequence[int] | np.ndarray | None = None,
+) -> DepthChoice:
+    """One draft depth ``K_step`` in ``0..K`` for the whole batch, maximising expected
+    tokens per second of a beam round (MTAD), where request ``r`` drafts
+    ``min(K_step, caps[r])`` tokens and each lookahead pass carries ``widths[r]`` rows
+    per request still drafting (``R x B`` rows for B beams).
+
+    Why one depth for the batch and not per request: the MTAD round searches every
+    request's beams in lockstep passes to depth K; the per-request verification is
+    ragged already (``verify.request_layout``), but cutting one request's beams short
+    needs per-request depth caps in ``beam_draft.beam_search_batched``. A whole-batch
+    depth needs none: the round runs ``K_step`` deep (0: no round, a plain decode step).
+
+    ``K + 1`` candidates, each costed in closed form from cumulative sums: exact (the
+    tests compare with :func:`beam_step_time` for every depth). Ties go to the shorter
+    depth (less work for the same rate)."""
+    g = np.asarray(gains, dtype=np.float64)
+    num_reqs, k = g.shape
+    w = np.broadcast_to(np.asarray(widths, dtype=np.int64), (num_reqs,))
+    cap = np.full(num_reqs, k, dtype=np.int64) if caps is None else np.clip(
+        np.asarray(caps, dtype=np.int64), 0, k)
+    depths = np.arange(k + 1)
+    lengths = np.minimum(depths[:, None], cap[None, :])  # [K+1, R]
+    # E: 1 per request + the prefix gains up to each request's length.
+    cum_gain = np.concatenate([np.zeros((num_reqs, 1)), np.cumsum(g, axis=1)], axis=1)
+    expected = num_reqs + cum_gain[np.arange(num_reqs)[None, :], lengths].sum(axis=1)
+    # C: lookahead pass d (1..depth-1) runs while some request's length exceeds d and
+    # carries the widths of those requests; since lengths = min(depth, cap), request r is
+    # in pass d iff d < min(depth, cap_r).
+    pass_rows = np.array([int(w[cap > d].sum()) for d in range(k)], dtype=np.float64)
+    pass_live = np.array([bool((cap > d).any()) for d in range(k)])
+    pass_cost = np.where(pass_live, costs.draft_pass + costs.draft_row * pass_rows, 0.0)
+    pass_cost[0] = 0.0  # depth 0 is the first pass, paid in the target side
+    cum_pass = np.cumsum(pass_cost)  # cum_pass[d]: passes 1..d
+    total = lengths.sum(axis=1)
+    step = (costs.fixed + np.asarray(costs.target(num_reqs, total), dtype=np.float64)
+            + np.where(total > 0, costs.draft_round, 0.0)
+            + np.where(depths >= 1, cum_pass[np.maximum(depths - 1, 0)], 0.0))
+    rate = expected / step
+    best = int(np.argmax(rate))  # first maximum: the shortest depth
+    return DepthChoice(best, lengths[best].astype(np.int64), float(rate[best]),
+                       float(expected[best]), float(step[best]))
+
+
 class AcceptanceHistory:
     """Per-request conditional acceptance per draft position, from the request's own
     verified drafts (counts that decay by ``decay`` per observation so a request's rate
