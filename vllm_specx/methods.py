@@ -348,7 +348,7 @@ HEAD_DRAFT_TREE = Knob(
     'false, true, {"max_nodes": N, "max_depth": D, "branching": K} (N 1-64, D 1-16, K 1-N, '
     '(D - 1) * K <= 64) or {"paths": [[0], [1], [0, 0], ...]} (at most 64 nodes, 16 deep)',
     "draft a tree with the head instead of a chain, verified losslessly in one target pass "
-    "(V1 runner on CPU): a dynamic EAGLE-2 tree (per depth the top `branching` children of "
+    "(CPU, V1 or V2 runner): a dynamic EAGLE-2 tree (per depth the top `branching` children of "
     "the `branching` likeliest nodes, one head pass per depth, the best `max_nodes` nodes "
     "by joint draft probability kept) or a static tree of child-rank paths (vLLM's old "
     "speculative_token_tree format); not with adaptive; true = 16 / 5 / 4",
@@ -360,6 +360,9 @@ HEAD_TREE_NEEDS_V1 = V1OnlySetting(
     "verified with the ancestor-only mask of vllm-specx's CPU attention (Model Runner V2, "
     "CUDA and Ascend: next issue)",
 )
+# What keeps an EAGLE head's tree on V1: nothing since its V2 round (glue/v2_eagle.py over
+# glue/v2_tree_step.py) passed tests/v2; (HEAD_TREE_NEEDS_V1,) puts it back on V1.
+V2_HEAD_TREE: tuple[V1OnlySetting, ...] = ()
 
 
 def head_tree(settings: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -639,11 +642,12 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
         vllm_alias=vllm_method,
         # On V2: vLLM's own V2 EagleSpeculator at a fixed K (the argmax chain the V1 chain
         # drafter runs at fixed K); with adaptive: true the chain round over it
-        # (glue/v2_eagle.py). The specx sampler verifies.
+        # (glue/v2_eagle.py), with draft_tree the head-tree round over V2's tree step.
+        # The specx sampler verifies.
         runs_on_v2=runs_on_v2,
         v2_speculator=named("vllm_specx.glue.v2_eagle:EagleChainV2Speculator"),
         v1_reason="not run on Model Runner V2 yet: there is no EAGLE (one-layer) test head",
-        v1_only_settings=(*V2_ADAPTIVE_STOP, HEAD_TREE_NEEDS_V1),
+        v1_only_settings=(*V2_ADAPTIVE_STOP, *V2_HEAD_TREE),
         v2_cudagraph="captured",
     )
 

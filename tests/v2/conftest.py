@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from v2_cases import ENGINE_KWARGS, GREEDY, PROMPTS, TARGET  # noqa: E402
+from v2_cases import ENGINE_KWARGS, GREEDY, PROMPTS, TARGET, heldout_prompts  # noqa: E402
 
 from vllm_specx.testing.v2_engine import V2EngineHost
 
@@ -61,11 +61,25 @@ def v2_engine(v2_host: V2EngineHost) -> Iterator[Callable[..., dict[str, Any]]]:
 
 
 @pytest.fixture(scope="session")
-def v2_reference(v2_host: V2EngineHost) -> list[list[int]]:
-    """Greedy outputs of the fixture target, no speculation, on V2 (engine stopped after)."""
+def v2_references(v2_host: V2EngineHost) -> dict[str, list[list[int]]]:
+    """Greedy outputs of the fixture target, no speculation, on V2 (engine stopped after):
+    for PROMPTS and for the held-out prompts, one engine."""
     description = v2_host.start("reference", TARGET, **ENGINE_KWARGS)
     try:
         assert description["v2"], description
-        return v2_host.generate("reference", PROMPTS, GREEDY)
+        return {"prompts": v2_host.generate("reference", PROMPTS, GREEDY),
+                "heldout": v2_host.generate("reference", heldout_prompts(), GREEDY)}
     finally:
         v2_host.stop("reference")
+
+
+@pytest.fixture(scope="session")
+def v2_reference(v2_references: dict[str, list[list[int]]]) -> list[list[int]]:
+    """Greedy outputs for ``v2_cases.PROMPTS`` without speculation on V2."""
+    return v2_references["prompts"]
+
+
+@pytest.fixture(scope="session")
+def v2_heldout_reference(v2_references: dict[str, list[list[int]]]) -> list[list[int]]:
+    """Greedy outputs for ``v2_cases.heldout_prompts()`` without speculation on V2."""
+    return v2_references["heldout"]

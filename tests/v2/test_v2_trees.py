@@ -118,3 +118,85 @@ def test_adaptive_tree_greedy_equals_no_speculation_on_v2(adaptive_tree_run, v2_
     assert outputs[: len(PROMPTS)] == v2_reference
     assert len(outputs[-1]) == SAMPLED["max_tokens"]
     _assert_tree_steps(adaptive_tree_run, 8)
+
+
+# specx_eagle3 head trees on V2 (glue/v2_eagle.py's head-tree round over the V2 tree step):
+# one engine, a dynamic tree, then a static paths tree on the same speculator (as
+# tests/eagle/test_eagle3_engine.py does on V1).
+HEAD_DYNAMIC = {"max_nodes": 8, "max_depth": 4, "branching": 2}
+HEAD_STATIC = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]
+HEAD_ENDS = (2, 3, 5, 7)
+
+
+def run_head_trees(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Runs in the V2 host: dynamic-tree greedy runs (full length, and requests ending
+    inside a tree), then the static tree with each round's argmax chain beside it."""
+    from dataclasses import asdict
+
+    from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
+    from vllm_specx.testing.v2_engine import generate_token_ids, runner_of
+
+    runner = runner_of(llm)
+    spec = runner.speculator
+    out: dict[str, Any] = {"dynamic": generate_token_ids(llm, prompts, GREEDY)}
+    out["ends"] = generate_token_ids(llm, prompts,
+                                     [{**GREEDY, "max_tokens": n} for n in HEAD_ENDS])
+    out["dynamic_stats"] = asdict(runner.specx_tree_state.stats)
+    spec.settings = {**spec.settings, "draft_tree": {"paths": HEAD_STATIC}}
+    tree_round = spec.draft_round
+    pairs: list[tuple[list[int], list[int]]] = []
+
+    def both(start: Any, sampling: Any) -> Any:
+        # The chain round first: the tree's passes rewrite the lookahead KV it used.
+        chain = super(EagleTreeRound, spec).draft_round(start, sampling)
+        trees = tree_round(start, sampling)
+        pairs.extend((list(c), list(t)) for c, t in zip(chain, trees))
+        return trees
+
+    spec.draft_round = both
+    try:
+        out["static"] = generate_token_ids(llm, prompts, GREEDY)
+    finally:
+        del spec.draft_round
+    out["pairs"] = pairs
+    out["stats"] = asdict(runner.specx_tree_state.stats)
+    return out
+
+
+@pytest.fixture(scope="module")
+def head_tree_run(v2_engine, v2_host, tmp_path_factory) -> dict[str, Any]:
+    from v2_cases import TARGET, build_eagle3_head, heldout_prompts
+
+    head = build_eagle3_head(str(tmp_path_factory.mktemp("v2_eagle3_tree_head")))
+    description = v2_engine("eagle3-tree", TARGET, speculative_config={
+        "method": "specx_eagle3", "model": head, "num_speculative_tokens": 8,
+        "draft_tree": HEAD_DYNAMIC})
+    assert description["speculator"].endswith("EagleChainV2Speculator"), description
+    try:
+        return v2_host.call("eagle3-tree", f"{__name__}:run_head_trees", heldout_prompts())
+    finally:
+        v2_host.stop("eagle3-tree")
+
+
+def test_eagle3_head_trees_equal_no_speculation_on_v2(head_tree_run, v2_heldout_reference):
+    """specx_eagle3 + draft_tree on V2: greedy output equals no speculation with a dynamic
+    tree (requests ending inside a tree too) and with a static paths tree; every tree was
+    verified as a tree; the static tree's rank-0 path is the head's own argmax chain (the
+    head's tree passes give each node its ancestors and its depth's position)."""
+    run, reference = head_tree_run, v2_heldout_reference
+    assert run["dynamic"] == reference
+    for n, got, want in zip(HEAD_ENDS, run["ends"], reference):
+        assert got == want[:n]
+    dynamic = run["dynamic_stats"]
+    assert dynamic["tree_requests"] > 0
+    assert dynamic["tree_nodes"] > 4 * dynamic["tree_requests"], dynamic
+    # Paths were accepted, some off rank 0 (their K/V and hidden rows moved).
+    assert dynamic["accepted"] > 0 and dynamic["compacted"] > 0, dynamic
+    assert run["static"] == reference
+    full = [(c, t) for c, t in run["pairs"] if len(t) == len(HEAD_STATIC)]
+    assert len(full) > 5, run["pairs"]
+    for chain, tree in full:
+        # BFS order: [0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0].
+        assert [tree[0], tree[2], tree[4], tree[6]] == chain[:4]
+        assert tree[0] != tree[1]
+    assert run["stats"]["tree_requests"] > dynamic["tree_requests"]

@@ -25,6 +25,18 @@ MAX_TOKENS = 12
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
+def heldout_prompts() -> list[list[int]]:
+    """Four held-out code prompts (token ids, ragged lengths) on which the test EAGLE-3
+    head's drafts are accepted (on PROMPTS none are): the head-tree tests' requests."""
+    from transformers import AutoTokenizer
+
+    from vllm_specx.fixtures import heldout_prompts as texts
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    enc = [tok(t)["input_ids"] for t in texts(4)]
+    return [enc[0][:5], enc[1][:33], enc[2][:48], enc[3][:17]]
+
+
 def build_eagle3_head(out_dir: str) -> str:
     """The test EAGLE-3 head (``scripts/build_eagle3_fixture.py``, as tests/eagle builds
     it). Its auxiliary layer ids are in ``eagle_config`` only, which vLLM 0.32's V2 runner

@@ -58,6 +58,7 @@ import torch
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.glue.draft_passes import RoundStart
+from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
 
 
 class EagleTreeRound:
@@ -105,15 +106,14 @@ class EagleTreeRound:
         if step is None:
             return hidden
         state.last_step = None
-        for tree in step.trees:
-            path = step.accepted.get(tree.row) or []
-            a = len(path)
-            if a == 0 or path == list(range(a)):
-                continue
-            src = tree.start + 1 + torch.tensor(path, dtype=torch.int64, device=hidden.device)
-            # Advanced indexing reads every source row before any is written.
-            hidden[tree.start + 1: tree.start + 1 + a] = hidden[src]
-        return hidden
+        return path_rows_to_chain(step, hidden)
+
+    def specx_stats(self) -> dict[str, Any]:
+        stats = super().specx_stats()  # type: ignore[misc]
+        control = getattr(self, "_tree_cost", None)
+        if control is not None:
+            stats["tree_cost_control"] = control.describe()
+        return stats
 
     # -- the round ----------------------------------------------------------------------
 
@@ -124,10 +124,17 @@ class EagleTreeRound:
             return super().draft_round(start, sampling_metadata)  # type: ignore[misc]
         from vllm_specx.methods import head_tree
 
-        if start.k == 0:
-            return start.no_drafts()
         shape = head_tree(self.settings)
         assert shape is not None, "a tree state without a head tree config"
+        # Cost control prunes dynamic trees only: a static {"paths"} tree is drafted to
+        # the shape the user gave, node for node.
+        control = None if "paths" in shape else tree_cost_control_for(self)
+        if start.k == 0:
+            if control is not None:
+                control.forget_interval()
+            return start.no_drafts()
+        if control is not None:
+            control.begin(start.req_ids, start.num_rejected, start.target_tokens)
         lm_in, fed_back = self.read_pass(start.out)  # type: ignore[attr-defined]
         root_lp = self._logprobs(lm_in)  # [R, V]
         passes = self.lookahead_passes(  # type: ignore[attr-defined]
@@ -139,8 +146,21 @@ class EagleTreeRound:
             tokens, parents = tree.dynamic(root_lp, shape)
         runner = self.runner  # type: ignore[attr-defined]
         num_reqs = start.num_reqs
-        req_ids = list(runner.input_batch.req_ids[:num_reqs])
-        self.tree_state.record_round(req_ids, tokens, parents, live_req_ids=runner.requests)
+        # V1 gives the ids through its input batch, V2 through the round start; the live
+        # requests are V1's runner.requests or V2's request states.
+        req_ids = list(start.req_ids if start.req_ids is not None
+                       else runner.input_batch.req_ids[:num_reqs])
+        live = getattr(runner, "requests", None)
+        if live is None:
+            live = runner.req_states.req_id_to_index
+        if control is not None:
+            # Keep per request the nodes that pay at the measured costs (glue/tree_cost.py);
+            # the head's passes are paid already. Zero nodes: the request verifies nothing.
+            keep = control.prune(req_ids, parents, tree.node_logq, tree.passes, tree.rows)
+            cut = [apply_keep(t, p, k) for t, p, k in zip(tokens, parents, keep)]
+            tokens, parents = [c[0] for c in cut], [c[1] for c in cut]
+            control.end(tree.passes, tree.rows)
+        self.tree_state.record_round(req_ids, tokens, parents, live_req_ids=live)
         lengths = [int(t.shape[0]) for t in tokens]
         self.stats.record(lengths, start.k, start.first_tokens,  # type: ignore[attr-defined]
                           tree.passes, tree.rows)
@@ -171,6 +191,9 @@ class _HeadTree:
         self.parents = torch.empty(self.num_reqs, 0, dtype=torch.int64)
         self.depths: list[int] = []
         self.hidden_in: list[torch.Tensor] = []  # per fed node, [R, H]
+        # A dynamic tree's nodes' cumulative draft log-probabilities, per request (the
+        # tree cost control's values); None for a static tree.
+        self.node_logq: list[torch.Tensor] | None = None
 
     def feed(self, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
              hidden_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,6 +282,8 @@ class _HeadTree:
                                [e.scores for e in levels], max_nodes)
         counts = tree.num_nodes.tolist()
         tokens_cpu, parents_cpu = tree.token_ids.to("cpu"), tree.parents.to("cpu")
+        scores_cpu = tree.scores.to("cpu")
+        self.node_logq = [scores_cpu[r, : counts[r]] for r in range(n)]
         return ([tokens_cpu[r, : counts[r]] for r in range(n)],
                 [parents_cpu[r, : counts[r]] for r in range(n)])
 
@@ -328,3 +353,17 @@ def _ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
         allowed[:, i] = inherited
         allowed[:, i, i] = True
     return allowed
+
+
+def path_rows_to_chain(step: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Moves each tree request's accepted nodes' rows of ``hidden`` (one row per query
+    token of the verified step, V1 or V2) to the chain rows after its root, in place."""
+    for tree in step.trees:
+        path = step.accepted.get(tree.row) or []
+        a = len(path)
+        if a == 0 or path == list(range(a)):
+            continue
+        src = tree.start + 1 + torch.tensor(path, dtype=torch.int64, device=hidden.device)
+        # Advanced indexing reads every source row before any is written.
+        hidden[tree.start + 1: tree.start + 1 + a] = hidden[src]
+    return hidden

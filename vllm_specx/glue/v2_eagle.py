@@ -31,6 +31,7 @@ from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
 
 from vllm_specx.glue.draft_passes import RoundStart
 from vllm_specx.glue.eagle_chain_proposer import EagleRoundHooks
+from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
 from vllm_specx.glue.v2_speculators import SpecxV2DraftSpeculator, V2Batch
 
 __all__ = ["EagleChainV2Speculator", "MtpChainV2Speculator"]
@@ -79,10 +80,20 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
             return super()._run_model(first, *args, **kwargs)
         positions, attn_metadata, slot_mappings = args[0], args[1], args[2]
         n = first.shape[0]
+        rope = getattr(self, "_tree_rope", None)
+        if rope is not None:
+            # A head-tree pass (glue/eagle_tree_proposer.py): the KV slots stay the
+            # lookahead slots the passes computed, the RoPE position is P + depth.
+            positions = positions.clone()
+            positions[: rope.shape[0]] = rope.to(positions.device, positions.dtype)
         self.input_buffers.input_ids[:n] = first.to(self.input_buffers.input_ids.dtype)
         self.input_buffers.positions[:n] = positions.to(self.input_buffers.positions.dtype)
         for_lm_head, fed_back = super()._run_model(n, attn_metadata, slot_mappings, None)
-        return torch.cat([for_lm_head[:n], fed_back[:n]], dim=-1)
+        out = torch.cat([for_lm_head[:n], fed_back[:n]], dim=-1)
+        keep = getattr(self, "keep_tree_pass_output", None)
+        if keep is not None:
+            keep(out)  # a tree pass reads several rows per request
+        return out
 
     @torch.inference_mode()
     def propose(self, input_batch: Any, attn_metadata: Any, slot_mappings: Any,
@@ -102,7 +113,20 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
                       skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
                       is_profile=is_profile)
         self._draft_lengths = None
-        if dummy_run or not self.settings.get("adaptive") or k <= 1:
+        tree_state = getattr(self, "tree_state", None)
+        if not dummy_run and tree_state is not None:
+            step, tree_state.last_step = tree_state.last_step, None
+            if step is not None:
+                # After a tree step V2 rewrote the step's tokens in the chain layout
+                # (v2_tree_step.finish_step): the first pass reads the accepted nodes'
+                # target hidden states in the same rows.
+                from vllm_specx.glue.eagle_tree_proposer import path_rows_to_chain
+
+                path_rows_to_chain(step, last_hidden_states)
+                for aux in aux_hidden_states or ():
+                    path_rows_to_chain(step, aux)
+        round_on = self.settings.get("adaptive") or tree_state is not None
+        if dummy_run or not round_on or k <= 1:
             return super().propose(*args, num_speculative_tokens=num_speculative_tokens,
                                    **kwargs)
         num_reqs = input_batch.num_reqs
@@ -143,6 +167,15 @@ class MtpChainV2Speculator(_ChainOverTargetDependentAR, MTPSpeculator):
     when ``adaptive: true``."""
 
 
-class EagleChainV2Speculator(_ChainOverTargetDependentAR, EagleSpeculator):
-    """``specx_eagle3`` on Model Runner V2: vLLM's ``EagleSpeculator``, with the adaptive
-    round when ``adaptive: true``."""
+class EagleChainV2Speculator(EagleTreeRound, _ChainOverTargetDependentAR, EagleSpeculator):
+    """``specx_eagle3`` / ``specx_eagle`` on Model Runner V2: vLLM's ``EagleSpeculator``,
+    with the adaptive round when ``adaptive: true`` and the head-tree round
+    (``glue/eagle_tree_proposer.py``, over :class:`~.v2_speculators.V2LookaheadPasses`)
+    with ``draft_tree``; the runner's V2 tree step (``glue/v2_tree_step.py``) verifies."""
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        # No q with a tree, as on V1: the "deterministic" tree rule reads none.
+        if self.tree_state is not None:
+            self._last_draft_probs = None
+            return None
+        return super().take_last_draft_probs()

@@ -173,6 +173,9 @@ def finish_step(state: TreeState, runner: Any, input_batch: Any) -> None:
     step, state.step = state.step, None
     if step is None:
         return
+    # An EAGLE head's next first pass moves the accepted nodes' hidden rows the same way
+    # (v2_eagle: path_rows_to_chain); draft-model speculators never read it.
+    state.last_step = step
     layers = _target_kv_caches(runner, getattr(runner.speculator, "draft_attn_layer_names", ()))
     input_ids = input_batch.input_ids
     for tree in step.trees:
