@@ -54,7 +54,11 @@ class Engine:
         original = self.drafter.propose
 
         def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
-            out = original(*args, **kwargs)
+            result = out = original(*args, **kwargs)
+            if isinstance(out, list):  # ragged (cost control): a skipped round has no drafts
+                if not any(out):
+                    return result
+                out = torch.tensor(out)  # one depth for the whole batch
             n = out.shape[0]
             req_ids = list(self.runner.input_batch.req_ids[:n])
             pos = self.drafter.last_sample_positions.tolist()
@@ -71,7 +75,7 @@ class Engine:
                         num_beams=self.drafter.num_beams,
                     )
                 )
-            return out
+            return result
 
         self.drafter.propose = propose
 

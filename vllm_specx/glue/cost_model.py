@@ -45,6 +45,7 @@ from vllm_specx.algorithms.draft_length import (
     CostStop,
     StepCosts,
     choose_draft_lengths,
+    choose_step_depth,
     expected_gains,
 )
 from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, HeadStop
@@ -277,6 +278,24 @@ class CostControl:
                         torch.as_tensor(rates, dtype=torch.float32, device=device),
                         threshold, signal=signal, head=head)
         return RoundPlan(rule, caps_t, choice.rate)
+
+    def plan_depth(self, req_ids: Sequence[str], k_max: int,
+                   widths: Sequence[int] | int) -> int:
+        """One draft depth for the whole batch (a beam round, ``mtad``: its beams search
+        in lockstep passes, ``widths[r]`` rows per request; ``choose_step_depth``). A due
+        probe (a request idle for ``probe_interval`` steps) lifts the depth to at least 1
+        so the pooled acceptance keeps being measured. 0: a plain decode step."""
+        k = min(k_max, self.k_max)
+        rates = self.history.rates(req_ids)[:, :k]
+        choice = choose_step_depth(expected_gains(rates), self.step_costs(), widths)
+        caps = self.history.probes(req_ids, choice.lengths)
+        depth = max(choice.depth, int(caps.max(initial=0)))
+        self.stats.steps += 1
+        self.stats.probes += int(depth > choice.depth)
+        self.stats.planned_tokens += depth * len(req_ids)
+        if depth == 0:
+            self.stats.all_zero_steps += 1
+        return depth
 
     def end(self, req_ids: Sequence[str] | None, lengths: Sequence[int], passes: int,
             rows: int) -> None:

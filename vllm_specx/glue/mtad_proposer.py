@@ -85,7 +85,9 @@ from vllm_specx.algorithms.beam_tails import (
     split_rows_by_token_budget,
     tail_feed_start,
 )
+from vllm_specx.algorithms.draft_stop import AlwaysContinue
 from vllm_specx.glue.beam_kv import BeamKVSlots
+from vllm_specx.glue.cost_model import CostControl, RoundPlan
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import GREEDY_DRAFTING
@@ -197,6 +199,10 @@ class MTADRound:
         self._slots: BeamKVSlots | None = None
         # The model runner: its KV cache config locates the beams' scratch region.
         self.model_runner = runner
+        # SpecxPasses.propose reads the batch's request ids off ``runner`` (cost control).
+        if getattr(self, "runner", None) is None:
+            self.runner = runner
+        self._cost_control: CostControl | None = None
 
     @property
     def num_beams(self) -> int:
@@ -230,6 +236,49 @@ class MTADRound:
         )
 
     # ----------------------------------------------------------------------------------
+    # cost control (issue 32): one depth per step for the whole batch
+    # ----------------------------------------------------------------------------------
+
+    def cost_control(self, k_max: int) -> CostControl | None:
+        """The round's cost control, or None (``cost_control`` off, draft trees, or tensor /
+        pipeline parallelism: every rank must draft in lockstep and each rank's clock
+        differs). One depth for the batch: the beams of all requests search in lockstep
+        passes, so a per-request depth would need per-request caps in the beam search; the
+        ragged verification would take it as it is."""
+        if not self.settings.get("cost_control", False) or self.tree_state is not None:
+            return None
+        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        if parallel is not None and (
+                parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1):
+            return None
+        if self._cost_control is None:
+            configured = self.settings.get("num_speculative_tokens") or k_max
+            self._cost_control = CostControl(max(int(configured), k_max))
+        return self._cost_control
+
+    def plan_before_first_pass(
+        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
+        target_tokens: int,
+    ) -> Any:
+        """The step's depth, chosen before the first pass (V1, ``SpecxPasses.propose``):
+        depth 0 skips the first pass (a plain decode step; ``DraftKVHoles`` catches the
+        draft KV up later). A pass at depth ``d >= 1`` carries ``R x B`` beam rows (one
+        per greedy request under ``greedy_drafting: "chain"``)."""
+        control = self.cost_control(k)
+        if control is None:
+            return None
+        control.begin(req_ids, num_rejected, target_tokens)
+        b = self.num_beams
+        # The greedy rows' width is not known before the first pass (no sampling metadata
+        # here): priced at B, an upper bound, so the depth is never too deep for its cost.
+        depth = control.plan_depth(req_ids, k, b)
+        caps = torch.full((len(req_ids),), depth, dtype=torch.int64)
+        plan = RoundPlan(AlwaysContinue(max(depth, 1)), caps, 0.0, skip_first_pass=depth == 0)
+        if depth == 0:
+            control.end(req_ids, [0] * len(req_ids), 0, 0)
+        return plan
+
+    # ----------------------------------------------------------------------------------
     # the round after the first pass
     # ----------------------------------------------------------------------------------
 
@@ -242,9 +291,15 @@ class MTADRound:
             k = min(k, int(self.settings["num_speculative_tokens"]))
         cad, sample_positions = start.cad, start.sample_positions
         base_seq_lens = start.base_seq_lens
+        plan = start.plan
+        if plan is not None:
+            k = min(k, int(plan.caps.max()) if plan.caps.numel() else 0)
         logits = self.model.compute_logits(start.out)
         self.last_sample_positions = sample_positions
         if k == 0:
+            if self._cost_control is not None:
+                # A step without a round: the next interval would span two steps.
+                self._cost_control.costs.forget_interval()
             return start.no_drafts()
 
         greedy = greedy_mask_from_temperature(
@@ -304,6 +359,11 @@ class MTADRound:
             request_passes=num_reqs + forward.request_passes,
             sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
         )
+        if plan is not None and self._cost_control is not None:
+            self._cost_control.end(start.req_ids, [k] * num_reqs, forward.passes,
+                                   forward.tokens)
+            # Fewer than vLLM's K: the V1 runner takes ragged lists (as adaptive's).
+            return draft_tokens.tolist()
         return draft_tokens
 
     def _tree_round(self, start: RoundStart, final: BeamSearchState, mapping: Any,
@@ -380,6 +440,10 @@ class MTADRound:
 
 class MTADProposer(MTADRound, SpecxDraftModelProposer):
     """Draft-model proposer that drafts by beam search (MTAD). See the module docstring."""
+
+    # A step whose cost control plans depth 0 skips the first pass (glue/draft_passes.py):
+    # a draft model's first pass reads only token ids, so DraftKVHoles can catch it up.
+    skips_idle_first_pass = True
 
 
 class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
