@@ -223,7 +223,7 @@ def test_copy_slots_moves_the_accepted_path_and_nothing_else():
 
 @pytest.mark.usefixtures("reference_ops")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("layout", ["one_tree", "mixed_batch"])
+@pytest.mark.parametrize("layout", ["one_tree", "mixed_batch", "trees_only"])
 def test_tree_rows_are_bitwise_plain_decoding(layout, dtype):
     """Greedy tree decoding is exactly lossless only if every node's row is BIT-equal to
     what plain decoding computes at that position (one query token over the context and
@@ -242,6 +242,8 @@ def test_tree_rows_are_bitwise_plain_decoding(layout, dtype):
         # past ~500 keys AVX-512 kernels block the sums too; the last tree is not in BFS
         # order (its depths interleave)
         spec += [(9, None), (530, TREES[2]), (40, [-1, 0, -1, 2, 1])]
+    elif layout == "trees_only":  # no causal request: the padded pass is skipped
+        spec += [(77, TREES[2]), (5, TREES[0])]
     reqs, trees, nodes = _requests(spec, num_heads, num_kv_heads, rand)
     singles = [(r, row, dict(q=reqs[r]["q"][rows[-1:]], k=reqs[r]["k"][keep],
                              v=reqs[r]["v"][keep])) for r, row, rows, keep in nodes]

@@ -322,8 +322,9 @@ def cpu_attention_with_kv_cache(
             _attend_one_request(query, key_cache, value_cache, out, batch, scale,
                                 block_table)
         return
-    _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
-                   window, softcap, alibi_slopes, s_aux, masks)
+    if len(tree_rows) < batch.num_reqs:  # (every request a tree: nothing else to attend)
+        _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
+                       window, softcap, alibi_slopes, s_aux, masks)
     # A tree request's rows again, each computed as plain decoding computes it (see
     # _tree_rows_as_decoding); the padded pass's rows for it are within 1e-5 of these.
     for r, plan in tree_rows.items():
