@@ -213,10 +213,13 @@ def translate(
             turned_off = knob.kind == "bool" and value is False
             if knob.requires is not None and not turned_off:
                 other, needed = knob.requires
-                if config.get(other, spec.knob(other).default) != needed:
+                alternative = knob.or_with is not None and config.get(
+                    knob.or_with) not in (None, False)
+                if config.get(other, spec.knob(other).default) != needed and not alternative:
+                    also = f' or a "{knob.or_with}"' if knob.or_with else ""
                     raise _bad(
                         knob.name, value,
-                        f'it only applies with "{other}": {_fmt(needed)}', name,
+                        f'it only applies with "{other}": {_fmt(needed)}{also}', name,
                     )
         if knob.vllm_field:
             # vLLM's own setting: it goes to vLLM's config (when given), not to ours.
@@ -225,6 +228,11 @@ def translate(
             continue
         settings[knob.name] = value
 
+    if (settings.get("draft_tree") not in (None, False) and "cost_control" in settings
+            and "cost_control" not in config):
+        # Draft trees are pruned by cost (glue/tree_cost.py) only when asked for: off by
+        # default (docs/trees.md, "Tree size from costs").
+        settings["cost_control"] = False
     context = CheckContext(spec=spec, settings=settings, model=model, limits=limits,
                            device=device)
     for check in spec.checks:

@@ -37,6 +37,9 @@ class Knob:
     # Knobs only meaningful when another knob has a value (e.g. mtp's stop rule needs
     # ``adaptive: true``): (knob name, required value).
     requires: tuple[str, Any] | None = None
+    # A knob that, when on (anything but false / absent), also satisfies ``requires``
+    # (the EAGLE heads' ``cost_control``: with ``adaptive`` or with a ``draft_tree``).
+    or_with: str | None = None
     # A vLLM SpeculativeConfig field that a specx method also takes: validated here like
     # any knob, then handed to vLLM's config unchanged (it is not a specx setting).
     vllm_field: bool = False
@@ -596,11 +599,12 @@ def named(target: str) -> Callable[[], Any]:
     return load
 
 
-def _requires_adaptive(knob: Knob) -> Knob:
-    # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true`.
+def _requires_adaptive(knob: Knob, or_with: str | None = None) -> Knob:
+    # The adaptive-stop knobs, as mtp takes them: only with `adaptive: true` (or with
+    # `or_with` on).
     return Knob(
         knob.name, knob.kind, knob.default, knob.allowed, knob.help, knob.check,
-        requires=("adaptive", True),
+        requires=("adaptive", True), or_with=or_with,
     )
 
 
@@ -630,8 +634,11 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
             EAGLE_ADAPTIVE,
             *(_requires_adaptive(k) for k in (
                 MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
-                EAGLE_CONFIDENCE_THRESHOLD, COST_CONTROL,
+                EAGLE_CONFIDENCE_THRESHOLD,
             )),
+            # Prunes a dynamic draft_tree's nodes too (glue/tree_cost.py); with a tree it
+            # is on only when given (translate: trees default to false).
+            _requires_adaptive(COST_CONTROL, or_with="draft_tree"),
             HEAD_DRAFT_TREE,
         ),
         checks=(min_tokens_within_k, acceptance_head_fits_draft, head_tree_fits),

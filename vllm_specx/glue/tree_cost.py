@@ -1,0 +1,186 @@
+"""Cost control for draft trees (issue 37, issue 32 item 3): after a tree drafter has
+drafted every request's tree, keep per request only the nodes that pay at the engine's own
+measured step costs (``algorithms/tree_budget.py``), down to zero nodes (a plain step).
+
+No vLLM import: the tree rounds (``glue/eagle_tree_proposer.py``, the draft-model tree in
+``glue/mtad_proposer.py``) call :class:`TreeCostControl`.
+
+* **Costs**: the same :class:`~.cost_model.MeasuredCosts` the chain control learns, fed
+  with the tree steps themselves: the target side of a step verifying ``S`` kept nodes
+  over ``B`` requests (nodes are query tokens, as a chain's drafts are) and the tree
+  round's head/draft passes and rows. ``target(S)`` and the drafter's already-paid time
+  come from it through ``tree_budget.step_costs_target`` / ``step_costs_paid``.
+* **Values**: ``v(n) = min(1, scale * q(path to n))`` (``calibrated_path_values``), with
+  ``q`` the drafter's joint probability of the node's path. ``scale`` is learnt simply:
+  the ratio of the accepted path lengths to the predicted sum of ``q`` over the kept
+  nodes, both with forgetting (about the last 50 request-steps), over a prior of ratio 1,
+  clamped to ``[0.25, 2]``.
+* **Lossless**: any rooted subtree is lossless under the deterministic tree rule; the
+  sampled i.i.d. rule keeps whole sibling groups (``whole_groups``).
+
+Tests inject a fixed model (:attr:`TreeCostControl.fixed_costs`), as the chain control's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_specx.algorithms.draft_length import StepCosts
+from vllm_specx.algorithms.tree_budget import (
+    calibrated_path_values,
+    prune_trees,
+    step_costs_paid,
+    step_costs_target,
+)
+from vllm_specx.glue.cost_model import MeasuredCosts
+
+SCALE_BOUNDS = (0.25, 2.0)
+SCALE_FORGETTING = 0.98  # per request-step: ~50 request-steps
+SCALE_PRIOR = 2.0  # pseudo-tokens of ratio 1 (never decays)
+
+
+@dataclass
+class TreeCostStats:
+    """What the tree control did (``specx_stats()["tree_cost_control"]``)."""
+
+    rounds: int = 0
+    all_zero_rounds: int = 0
+    drafted_nodes: int = 0
+    kept_nodes: int = 0
+    unpruned_rounds: int = 0  # rounds the control did not prune (sampled i.i.d. trees)
+    kept_histogram: dict[int, int] = field(default_factory=dict)  # kept nodes per request
+
+
+class TreeCostControl:
+    """Per-round pruning of a tree drafter's trees (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.costs = MeasuredCosts()
+        self.fixed_costs: StepCosts | None = None  # tests: used instead of the measured
+        self.stats = TreeCostStats()
+        self._accepted = 0.0  # forgetting sums of accepted path lengths ...
+        self._predicted = 0.0  # ... and of the kept nodes' summed path probability q
+        # request id -> (kept nodes, their summed q) of the last round; its total.
+        self._last: dict[str, tuple[int, float]] = {}
+        self._last_total: int | None = None
+
+    @property
+    def scale(self) -> float:
+        ratio = (self._accepted + SCALE_PRIOR) / (self._predicted + SCALE_PRIOR)
+        return float(min(max(ratio, SCALE_BOUNDS[0]), SCALE_BOUNDS[1]))
+
+    def step_costs(self) -> StepCosts:
+        return self.fixed_costs if self.fixed_costs is not None else self.costs.step_costs()
+
+    def begin(self, req_ids: Sequence[str] | None, num_rejected: torch.Tensor | None,
+              target_tokens: int | None) -> None:
+        """At the start of a tree round (after the first pass): time the step that just
+        ran (it verified ``target_tokens - R`` nodes) and learn the acceptance scale from
+        the paths it accepted (``num_rejected``: kept nodes minus accepted, per row)."""
+        num_reqs = len(req_ids) if req_ids is not None else 0
+        nodes = None
+        if (target_tokens is not None and num_reqs > 0 and self._last_total is not None
+                and target_tokens - num_reqs == self._last_total):
+            # A decode step over exactly last round's kept trees (a prefill chunk, a cut
+            # or dropped tree would change the count: not this step's cost or acceptance).
+            nodes = target_tokens - num_reqs
+        self.costs.round_begins(num_reqs, nodes)
+        if nodes is None or req_ids is None or num_rejected is None:
+            return
+        rejected = num_rejected.to("cpu").tolist()[:num_reqs]
+        for rid, rej in zip(req_ids, rejected):
+            kept, q_sum = self._last.get(rid, (0, 0.0))
+            if kept == 0:
+                continue
+            accepted = max(kept - int(rej), 0)
+            self._accepted = SCALE_FORGETTING * self._accepted + accepted
+            self._predicted = SCALE_FORGETTING * self._predicted + q_sum
+
+    def prune(self, req_ids: Sequence[str], parents: Sequence[torch.Tensor],
+              path_logq: Sequence[torch.Tensor], passes: int, rows: int,
+              whole_groups: Sequence[bool] | None = None) -> list[np.ndarray]:
+        """Per request a bool mask of the nodes to keep (a rooted subtree of its BFS
+        tree); ``path_logq``: each node's cumulative draft log-probability; ``passes`` /
+        ``rows``: the tree round's drafter passes and their rows (already paid)."""
+        par = [p.to("cpu", torch.int64).numpy() for p in parents]
+        q = [np.exp(s.to("cpu", torch.float64).numpy()) for s in path_logq]
+        scale = self.scale
+        values = [calibrated_path_values(p, qq, scale) for p, qq in zip(par, q)]
+        costs = self.step_costs()
+        drafted = any(len(p) for p in par)
+        budget = prune_trees(par, values, step_costs_paid(costs, drafted, passes, rows),
+                             step_costs_target(costs, len(par)), whole_groups=whole_groups)
+        self._last = {}
+        for rid, keep, qq in zip(req_ids, budget.keep, q):
+            self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
+        self._last_total = budget.total_nodes
+        s = self.stats
+        s.rounds += 1
+        s.all_zero_rounds += budget.total_nodes == 0
+        s.drafted_nodes += sum(len(p) for p in par)
+        s.kept_nodes += budget.total_nodes
+        for keep in budget.keep:
+            n = int(keep.sum())
+            s.kept_histogram[n] = s.kept_histogram.get(n, 0) + 1
+        return budget.keep
+
+    def unpruned(self, req_ids: Sequence[str], lengths: Sequence[int]) -> None:
+        """A round the control did not prune: its step is timed, nothing is learnt."""
+        self._last = {rid: (0, 0.0) for rid in req_ids}
+        self._last_total = int(sum(lengths))
+        self.stats.unpruned_rounds += 1
+
+    def end(self, passes: int, rows: int, drafted: bool = True) -> None:
+        self.costs.round_ends(drafted, passes, rows)
+
+    def forget_interval(self) -> None:
+        """A step ran without a round: the next interval is not one step."""
+        self.costs.forget_interval()
+        self._last_total = None
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "model": ("fixed " + str(self.fixed_costs)) if self.fixed_costs is not None
+            else self.costs.describe(),
+            "acceptance_scale": round(self.scale, 3),
+            "rounds": s.rounds, "all_zero_rounds": s.all_zero_rounds,
+            "unpruned_rounds": s.unpruned_rounds,
+            "drafted_nodes": s.drafted_nodes, "kept_nodes": s.kept_nodes,
+            "kept_histogram": {str(k): v for k, v in sorted(s.kept_histogram.items())},
+        }
+
+
+def apply_keep(tokens: torch.Tensor, parents: torch.Tensor, keep: np.ndarray
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One request's BFS tree cut to its kept nodes (a rooted subtree): the kept tokens,
+    their parents re-indexed among the kept nodes, and the kept nodes' old indices. A
+    subsequence of a BFS order whose parents are kept stays a BFS order."""
+    idx = torch.as_tensor(np.flatnonzero(keep), dtype=torch.int64)
+    new_index = torch.full((parents.shape[0] + 1,), -1, dtype=torch.int64)
+    new_index[idx + 1] = torch.arange(idx.numel(), dtype=torch.int64)
+    par = parents.to("cpu", torch.int64)[idx]
+    if bool((par >= 0).any()) and bool((new_index[par[par >= 0] + 1] < 0).any()):
+        raise AssertionError("tree cost control: a kept node's parent was pruned")
+    return tokens[idx.to(tokens.device)], new_index[par + 1], idx
+
+
+def tree_cost_control_for(proposer: Any) -> TreeCostControl | None:
+    """The proposer's tree control when its settings turn ``cost_control`` on (made once,
+    kept on the proposer as ``_tree_cost``), else None. Off under tensor or pipeline
+    parallelism: every rank must draft the same trees, and each rank's clock differs."""
+    if not proposer.settings.get("cost_control", False):
+        return None
+    parallel = getattr(getattr(proposer, "vllm_config", None), "parallel_config", None)
+    if parallel is not None and (
+            parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1):
+        return None
+    control = getattr(proposer, "_tree_cost", None)
+    if control is None:
+        control = proposer._tree_cost = TreeCostControl()
+    return control
