@@ -63,6 +63,11 @@ def category(stack: list[tuple[str, str]]) -> str:
     if in_model:
         return "target: rest of the model"
     for _func, file in stack:
+        # vllm-specx's own step work outside the models (trees: issue 37).
+        if "vllm_specx/glue/sampler" in file or "vllm_specx/algorithms/draft_tree" in file:
+            return "specx sampler (chain/tree rule)"
+        if "vllm_specx/glue/tree_step" in file:
+            return "tree step glue (masks, KV move)"
         if "vllm/v1/sample" in file:
             return "sampler"
         if "vllm/v1/core" in file:
