@@ -457,7 +457,7 @@ def tree_device_refusal(ctx: CheckContext, shown: Any) -> Refusal | None:
     if not reason and _device_type(ctx.device) == "cpu":
         return None
     return Refusal("draft_tree", shown, f"not on {ctx.device} yet: " + (
-        reason or "tree verification runs on vLLM's V1 model runner on CPU only"))
+        reason or "tree verification runs on CPU only (vLLM's V1 runner or Model Runner V2)"))
 
 
 def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:

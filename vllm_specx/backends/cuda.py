@@ -25,7 +25,7 @@ REASON_NO_DRAFT_TREE = (
     "the Triton tree attention kernel is ready (vllm_specx/backends/"
     "triton_tree_attention.py, equal to the CPU tree attention under the Triton "
     "interpreter) but its engine path is not yet validated on a GPU, so tree verification "
-    "runs on vLLM's V1 model runner on CPU only for now"
+    "runs on CPU only for now (vLLM's V1 runner or Model Runner V2)"
 )
 
 
