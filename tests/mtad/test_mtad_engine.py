@@ -102,6 +102,69 @@ def test_mixed_greedy_and_sampled_batch(pair, engine):
         assert seqs[a] == again[b]
 
 
+class _ScriptedDepthRates:
+    """Stands in for the cost control's acceptance history: every request looks hopeless
+    on two steps of each five (runs of two: several skipped first passes in a row),
+    middling on one (depth 1 or 2 < K at this cost model) and good on the others (depth
+    K), whatever the clock does."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def __call__(self, req_ids: list[str]) -> object:
+        import numpy as np
+
+        self.step += 1
+        rate = {1: 0.02, 2: 0.02, 3: 0.3}.get(self.step % 5, 0.97)
+        return np.full((len(req_ids), K), rate)
+
+
+def test_cost_control_depth_zero_steps_are_plain_decoding(pair, engine):
+    """Cost control on mtad (issue 32): one depth per step for the batch, 0 on the hopeless
+    steps, which skip the draft's first pass. The output is the target's greedy one, the
+    steps at depth 0 drafted nothing and skipped the first pass, and every round that did
+    draft (after the skipped passes' draft KV was caught up) equals the reference beam
+    search of its depth on the request's full context."""
+    from vllm import SamplingParams
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    _, _, target, draft = pair
+    drafter = engine.drafter
+    drafter.num_beams = 2
+    drafter.settings = {**drafter.settings, "cost_control": True}
+    try:
+        control = drafter.cost_control(K)
+        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                        target_per_token=0.02, draft_pass=0.02,
+                                        draft_row=0.01)
+        control.history.rates = _ScriptedDepthRates()
+        control.history.probe_interval = 10**9  # no probes: zero means zero
+        skipped_before = drafter.kv_holes().skipped_first_passes
+        prompts = prompts_of([7, 19, 12], seed=21)
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (14, 9, 12)]
+        seqs = engine.generate(prompts, params)
+        ids = sorted(seqs, key=int)
+        for rid, prompt, sp in zip(ids, prompts, params):
+            assert seqs[rid] == prompt + greedy_generate(target, prompt, sp.max_tokens), rid
+        assert control.stats.all_zero_steps >= 2
+        assert drafter.kv_holes().skipped_first_passes - skipped_before >= 2
+        records = list(engine.records)
+        depths = {len(r.tokens) for r in records}
+        assert K in depths and min(depths) < K, depths
+        warpings = {rid: Warping(temperature=0.0) for rid in ids}
+        lens = {rid: len(p) for rid, p in zip(ids, prompts)}
+        checked = 0
+        for depth in sorted(depths):
+            engine.records = [r for r in records if len(r.tokens) == depth]
+            checked += check_rounds_against_reference(
+                engine, seqs, lens, draft, warpings, depth)[0]
+        assert checked >= 5
+    finally:
+        drafter.settings = {**drafter.settings, "cost_control": False}
+        drafter._cost_control = None
+
+
 def test_lookahead_past_max_model_len_does_not_crash(pair, engine):
     """Prompts ending next to max_model_len (128): the tails' last positions fall outside
     the model and are clamped / not written; outputs stay the target's greedy ones."""
@@ -238,65 +301,3 @@ def test_draft_equal_target_accepts_whole_drafts(pair, engine):
     finally:
         eng.close()
 
-
-class _ScriptedDepthRates:
-    """Stands in for the cost control's acceptance history: every request looks hopeless
-    on two steps of each five (runs of two: several skipped first passes in a row),
-    middling on one (depth 1 or 2 < K at this cost model) and good on the others (depth
-    K), whatever the clock does."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def __call__(self, req_ids: list[str]) -> object:
-        import numpy as np
-
-        self.step += 1
-        rate = {1: 0.02, 2: 0.02, 3: 0.3}.get(self.step % 5, 0.97)
-        return np.full((len(req_ids), K), rate)
-
-
-def test_cost_control_depth_zero_steps_are_plain_decoding(pair, engine):
-    """Cost control on mtad (issue 32): one depth per step for the batch, 0 on the hopeless
-    steps, which skip the draft's first pass. The output is the target's greedy one, the
-    steps at depth 0 drafted nothing and skipped the first pass, and every round that did
-    draft (after the skipped passes' draft KV was caught up) equals the reference beam
-    search of its depth on the request's full context."""
-    from vllm import SamplingParams
-
-    from vllm_specx.algorithms.draft_length import StepCosts
-
-    _, _, target, draft = pair
-    drafter = engine.drafter
-    drafter.num_beams = 2
-    drafter.settings = {**drafter.settings, "cost_control": True}
-    try:
-        control = drafter.cost_control(K)
-        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
-                                        target_per_token=0.02, draft_pass=0.02,
-                                        draft_row=0.01)
-        control.history.rates = _ScriptedDepthRates()
-        control.history.probe_interval = 10**9  # no probes: zero means zero
-        skipped_before = drafter.kv_holes().skipped_first_passes
-        prompts = prompts_of([7, 19, 12], seed=21)
-        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (14, 9, 12)]
-        seqs = engine.generate(prompts, params)
-        ids = sorted(seqs, key=int)
-        for rid, prompt, sp in zip(ids, prompts, params):
-            assert seqs[rid] == prompt + greedy_generate(target, prompt, sp.max_tokens), rid
-        assert control.stats.all_zero_steps >= 2
-        assert drafter.kv_holes().skipped_first_passes - skipped_before >= 2
-        records = list(engine.records)
-        depths = {len(r.tokens) for r in records}
-        assert K in depths and min(depths) < K, depths
-        warpings = {rid: Warping(temperature=0.0) for rid in ids}
-        lens = {rid: len(p) for rid, p in zip(ids, prompts)}
-        checked = 0
-        for depth in sorted(depths):
-            engine.records = [r for r in records if len(r.tokens) == depth]
-            checked += check_rounds_against_reference(
-                engine, seqs, lens, draft, warpings, depth)[0]
-        assert checked >= 5
-    finally:
-        drafter.settings = {**drafter.settings, "cost_control": False}
-        drafter._cost_control = None
