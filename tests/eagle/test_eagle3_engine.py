@@ -15,6 +15,7 @@ same drafter switches to the default training-free confidence rule for the rest.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -187,7 +188,23 @@ def runs(target: str, eagle3_head: str,
         stats = runner.specx_tree_state.stats
         out["tree_stat_nodes"] = (stats.tree_requests - out["tree_dynamic_stats"].tree_requests,
                                   stats.accepted - out["tree_dynamic_stats"].accepted)
-        drafter.settings = {**drafter.settings, "draft_tree": {"paths": STATIC_PATHS}}
+        # Cost control over the same dynamic tree (glue/tree_cost.py), with a fixed cost
+        # model under which a node pays only when its path's value exceeds ~0.3 of the
+        # step's rate: trees are cut per request, to zero nodes where nothing pays.
+        from vllm_specx.algorithms.draft_length import StepCosts
+        from vllm_specx.glue.tree_cost import tree_cost_control_for
+
+        drafter.settings = {**drafter.settings, "cost_control": True}
+        control = tree_cost_control_for(drafter)
+        assert control is not None
+        control.fixed_costs = StepCosts(target_base=0.0, target_per_request=1.0,
+                                        target_per_token=0.3, draft_pass=0.0, draft_row=0.0)
+        began = time.perf_counter()
+        out["tree_cost"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
+        out["tree_cost_seconds"] = time.perf_counter() - began
+        out["tree_cost_control"] = drafter.specx_stats().get("tree_cost_control")
+        drafter.settings = {**drafter.settings, "cost_control": False,
+                            "draft_tree": {"paths": STATIC_PATHS}}
         # Each round also drafts the argmax chain over the same first pass (the chain
         # round, before the tree's: the tree's passes rewrite the lookahead KV it used):
         # the tree's rank-0 path must be that chain.
@@ -207,6 +224,20 @@ def runs(target: str, eagle3_head: str,
         out["tree_static_pairs"] = pairs
         out["tree_stats"] = runner.specx_tree_state.stats
     return out
+
+
+def test_head_tree_cost_control_prunes_and_equals_no_speculation(runs):
+    """specx_eagle3 dynamic tree with cost_control on (a fixed cost model): each
+    request's tree is cut to the nodes that pay, some to zero nodes (the request verifies
+    nothing that step), others kept deeper; greedy output stays equal to no speculation."""
+    assert runs["tree_cost"] == runs["plain_ragged"]
+    control = runs["tree_cost_control"]
+    print("tree cost control:", control, "seconds:", round(runs["tree_cost_seconds"], 1))
+    assert control is not None and control["rounds"] > 0
+    sizes = {int(k): v for k, v in control["kept_histogram"].items()}
+    assert sizes.get(0, 0) > 0, sizes  # pruned to nothing
+    assert any(n >= 2 and c > 0 for n, c in sizes.items()), sizes  # and kept as a tree
+    assert 0 < control["kept_nodes"] < control["drafted_nodes"]
 
 
 def test_vllm_eagle3_with_the_head_stays_vllm_and_equals_no_speculation(runs):
