@@ -62,12 +62,17 @@ def category(stack: list[tuple[str, str]]) -> str:
         return "draft: rest of the model" if in_model else "draft: proposer (not the model)"
     if in_model:
         return "target: rest of the model"
-    for _func, file in stack:
-        # vllm-specx's own step work outside the models (trees: issue 37).
+    # vllm-specx's own step work outside the models (trees: issue 37), by the innermost
+    # vLLM or vllm-specx frame (the tree step's wrappers also sit above vLLM's own input
+    # preparation and sampling, which are not theirs).
+    for _func, file in reversed(stack):
         if "vllm_specx/glue/sampler" in file or "vllm_specx/algorithms/draft_tree" in file:
             return "specx sampler (chain/tree rule)"
         if "vllm_specx/glue/tree_step" in file:
             return "tree step glue (masks, KV move)"
+        if "vllm/" in file or "vllm_specx/" in file:
+            break
+    for _func, file in stack:
         if "vllm/v1/sample" in file:
             return "sampler"
         if "vllm/v1/core" in file:
