@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -90,6 +91,7 @@ from vllm_specx.glue.beam_kv import BeamKVSlots
 from vllm_specx.glue.cost_model import CostControl, RoundPlan
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
+from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
 from vllm_specx.methods import GREEDY_DRAFTING
 
 logger = logging.getLogger("vllm.specx")
@@ -397,18 +399,31 @@ class MTADRound:
         out: list[list[int]] = []
         tok_rows, par_rows = [], []
         assert tree.token_logprobs is not None
-        for r in range(num_reqs):
-            n = int(n_nodes[r])
-            q[r, :n] = tree.token_logprobs[r, :n].exp()
-            tok_rows.append(tokens[r, :n])
-            par_rows.append(tree.parents[r, :n])
-            out.append(tokens[r, :n].tolist())
-        self._last_draft_probs = q
         runner = self.model_runner
         # The round's request ids (V1 and V2 rounds carry them) and the live requests: V1's
         # runner.requests, V2's request states.
         req_ids = list(start.req_ids if start.req_ids is not None
                        else runner.input_batch.req_ids[:num_reqs])
+        # Cost control (adaptive's draft_tree with cost_control, V1: DraftTreeProposer
+        # sets it for the round) keeps per request the nodes that pay (glue/tree_cost.py).
+        control = getattr(self, "_round_tree_cost", None)
+        kept = [torch.arange(int(n)) for n in n_nodes]
+        if control is not None:
+            keep = control.prune(req_ids, [tree.parents[r, : n_nodes[r]] for r in range(num_reqs)],
+                                 [tree.scores[r, : n_nodes[r]] for r in range(num_reqs)],
+                                 forward.passes, forward.tokens)
+            kept = [torch.as_tensor(np.flatnonzero(m), dtype=torch.int64) for m in keep]
+        for r in range(num_reqs):
+            n = int(n_nodes[r])
+            tok, par, idx = apply_keep(tokens[r, :n], tree.parents[r, :n].to("cpu"),
+                                       np.isin(np.arange(n), kept[r].numpy()))
+            q[r, : idx.numel()] = tree.token_logprobs[r, idx.to(q.device)].exp()
+            tok_rows.append(tok)
+            par_rows.append(par)
+            out.append(tok.tolist())
+        if control is not None:
+            control.end(forward.passes, forward.tokens)
+        self._last_draft_probs = q
         live = getattr(runner, "requests", None)
         if live is None:
             live = runner.req_states.req_id_to_index
@@ -418,7 +433,7 @@ class MTADRound:
             request_passes=num_reqs + forward.request_passes,
             sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
         )
-        self.stats.tree_nodes += int(sum(n_nodes))
+        self.stats.tree_nodes += sum(len(t) for t in out)
         return out
 
     def _beam_slots(self) -> BeamKVSlots | None:
@@ -459,6 +474,8 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
     on by default; ``glue/sampled_tree_round.py``), verified by the ``"sampled"`` rule with
     the q rows the draws came from."""
 
+    # The tree cost control while a top-k round runs (read by _tree_round), else None.
+    _round_tree_cost: Any = None
     # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
     _sampled_q: torch.Tensor | None = None
     sampled_tree_rounds: int = 0
@@ -469,10 +486,24 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
         from vllm_specx.glue.sampled_tree_round import sampled_tree_round, wants_sampled_tree
 
         self._sampled_q = None
+        control = tree_cost_control_for(self) if self.tree_state is not None else None
+        if control is not None:
+            if start.k == 0:
+                control.forget_interval()
+            else:
+                control.begin(start.req_ids, start.num_rejected, start.target_tokens)
         if self.tree_state is not None and wants_sampled_tree(self, sampling_metadata,
                                                               start.num_reqs):
+            # i.i.d. children are not pruned yet (the sampled rule would need whole
+            # sibling groups and re-indexed q rows): the round's step is not timed.
+            if control is not None:
+                control.unpruned()
             return sampled_tree_round(self, start, sampling_metadata)
-        return super().draft_round(start, sampling_metadata)
+        self._round_tree_cost = control if start.k > 0 else None
+        try:
+            return super().draft_round(start, sampling_metadata)
+        finally:
+            self._round_tree_cost = None
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         # A top-k round hands no q: a tree verified as a chain (a step that falls back to

@@ -129,10 +129,12 @@ class TreeCostControl:
             s.kept_histogram[n] = s.kept_histogram.get(n, 0) + 1
         return budget.keep
 
-    def unpruned(self, req_ids: Sequence[str], lengths: Sequence[int]) -> None:
-        """A round the control did not prune: its step is timed, nothing is learnt."""
-        self._last = {rid: (0, 0.0) for rid in req_ids}
-        self._last_total = int(sum(lengths))
+    def unpruned(self) -> None:
+        """A round the control does not prune (after :meth:`begin`): neither it nor the
+        step after it is timed, nothing is learnt from that step."""
+        self.costs.forget_interval()
+        self._last = {}
+        self._last_total = None
         self.stats.unpruned_rounds += 1
 
     def end(self, passes: int, rows: int, drafted: bool = True) -> None:
