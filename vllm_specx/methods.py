@@ -276,7 +276,8 @@ COST_CONTROL = Knob(
     "cost_control", "bool", True, "true or false",
     "choose every step's draft lengths from the engine's own measured step costs and each "
     "request's acceptance so far (0 where drafting would not pay); false: the stop rule "
-    "alone decides",
+    "alone decides. With a dynamic draft_tree it is off unless given: true keeps per "
+    "request only the tree nodes that pay at those costs, down to none (a plain step)",
 )
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",

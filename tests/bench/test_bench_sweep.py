@@ -40,13 +40,19 @@ def test_twins_only_where_cost_control_applies():
         ("eagle3 K", {"method": "specx_eagle3"}),
         ("mtad", {"method": "mtad"}),
         ("draft_model", {"method": "draft_model"}),
+        # Trees: only with cost_control given, and never a static paths tree.
+        ("eagle3 tree", {"method": "specx_eagle3", "draft_tree": True}),
+        ("eagle3 tree cc", {"method": "specx_eagle3", "draft_tree": True, "cost_control": True}),
+        ("eagle3 paths cc", {"method": "specx_eagle3", "draft_tree": {"paths": [[0]]},
+                             "cost_control": True}),
     ]
     out = with_control_twins(named)
     twins = [(n, c) for n, c in out if n.endswith(OFF_SUFFIX)]
-    assert [n for n, _ in twins] == ["adaptive" + OFF_SUFFIX, "eagle3 adaptive" + OFF_SUFFIX]
+    assert [n for n, _ in twins] == ["adaptive" + OFF_SUFFIX, "eagle3 adaptive" + OFF_SUFFIX,
+                                     "eagle3 tree cc" + OFF_SUFFIX]
     assert all(c["cost_control"] is False for _, c in twins)
     assert not any(cost_control_applies(c) for _, c in twins)
-    assert len(out) == len(named) + 2
+    assert len(out) == len(named) + 3
 
 
 def test_prompts_fill_the_batch():

@@ -509,3 +509,14 @@ def test_a_new_method_is_one_spec_entry(monkeypatch):
     refused({"method": "toy", "model": "d", "width": 5},
             '"width"] = 5 is not allowed for method \'toy\'', "at most K (3)")
     refused({"method": "toy", "model": "d", "width": 0}, '"width"] = 0', "integer >= 1")
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "specx_eagle3", "model": "d", "draft_tree": {"max_nodes": 8}},
+    {"method": "adaptive", "model": "d", "draft_tree": True},
+])
+def test_tree_cost_control_is_off_unless_given(config):
+    """Draft trees are pruned by cost (glue/tree_cost.py) only with cost_control given;
+    on an EAGLE head it applies with a draft_tree as with adaptive."""
+    assert run(config).specx_settings["cost_control"] is False
+    assert run({**config, "cost_control": True}).specx_settings["cost_control"] is True

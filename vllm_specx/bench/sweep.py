@@ -47,6 +47,11 @@ def cost_control_applies(cfg: dict[str, Any]) -> bool:
     if cfg.get("cost_control") is False:
         return False
     method = cfg.get("method")
+    if cfg.get("draft_tree") and method in (*_CONTROLLED, *_CONTROLLED_WHEN_ADAPTIVE):
+        # A dynamic tree is pruned by cost only when asked for (off by default).
+        tree = cfg["draft_tree"]
+        return cfg.get("cost_control") is True and not (
+            isinstance(tree, dict) and "paths" in tree)
     if method in _CONTROLLED:
         return not cfg.get("draft_tree")
     if method in _CONTROLLED_WHEN_ADAPTIVE:
