@@ -140,20 +140,31 @@ class EagleTreeRound:
         passes = self.lookahead_passes(  # type: ignore[attr-defined]
             start.cad, start.sample_positions, start.base_seq_lens)
         tree = _HeadTree(self, passes, start, fed_back)
-        if "paths" in shape:
-            tokens, parents = tree.static(root_lp, shape["paths"])
-        else:
-            tokens, parents = tree.dynamic(root_lp, shape)
         runner = self.runner  # type: ignore[attr-defined]
         num_reqs = start.num_reqs
         # V1 gives the ids through its input batch, V2 through the round start; the live
         # requests are V1's runner.requests or V2's request states.
         req_ids = list(start.req_ids if start.req_ids is not None
                        else runner.input_batch.req_ids[:num_reqs])
+        depth = int(shape.get("max_depth", 0)) if "paths" not in shape else 0
+        if control is not None:
+            # The head passes are paid before the tree exists: their number is chosen
+            # from what the last rounds' pruned trees were worth per depth.
+            depth = control.choose_depth(num_reqs, depth)
+        if "paths" in shape:
+            tokens, parents = tree.static(root_lp, shape["paths"])
+        elif depth == 0:
+            tokens = [torch.empty(0, dtype=torch.int64) for _ in range(num_reqs)]
+            parents = [torch.empty(0, dtype=torch.int64) for _ in range(num_reqs)]
+        else:
+            tokens, parents = tree.dynamic(root_lp, {**shape, "max_depth": depth})
         live = getattr(runner, "requests", None)
         if live is None:
             live = runner.req_states.req_id_to_index
-        if control is not None:
+        if control is not None and depth == 0:
+            control.skipped(req_ids)
+            control.end(0, 0, drafted=False)
+        elif control is not None:
             # Keep per request the nodes that pay at the measured costs (glue/tree_cost.py);
             # the head's passes are paid already. Zero nodes: the request verifies nothing.
             keep = control.prune(req_ids, parents, tree.node_logq, tree.passes, tree.rows)

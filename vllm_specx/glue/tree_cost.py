@@ -33,6 +33,8 @@ import torch
 from vllm_specx.algorithms.draft_length import StepCosts
 from vllm_specx.algorithms.tree_budget import (
     calibrated_path_values,
+    choose_tree_depth,
+    node_depths,
     prune_trees,
     step_costs_paid,
     step_costs_target,
@@ -42,6 +44,10 @@ from vllm_specx.glue.cost_model import MeasuredCosts
 SCALE_BOUNDS = (0.25, 2.0)
 SCALE_FORGETTING = 0.98  # per request-step: ~50 request-steps
 SCALE_PRIOR = 2.0  # pseudo-tokens of ratio 1 (never decays)
+DEPTH_FORGETTING = 0.9  # per round, for the per-depth kept value and nodes
+PROBE_EVERY = 8  # rounds: a round drafted shallower than the full depth is followed, at
+# the latest this many rounds later, by one at the full depth, so the deeper depths'
+# values are measured again (they are only learnt from rounds that drafted them)
 
 
 @dataclass
@@ -68,6 +74,11 @@ class TreeCostControl:
         # request id -> (kept nodes, their summed q) of the last round; its total.
         self._last: dict[str, tuple[int, float]] = {}
         self._last_total: int | None = None
+        # Per depth d (index d - 1): kept value and kept nodes per request, averaged over
+        # the rounds that drafted that depth (None: never drafted yet).
+        self._depth_value: list[float | None] = []
+        self._depth_nodes: list[float | None] = []
+        self._since_full = 0
 
     @property
     def scale(self) -> float:
@@ -119,6 +130,7 @@ class TreeCostControl:
         for rid, keep, qq in zip(req_ids, budget.keep, q):
             self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
         self._last_total = budget.total_nodes
+        self._learn_depths(par, values, budget.keep)
         s = self.stats
         s.rounds += 1
         s.all_zero_rounds += budget.total_nodes == 0
@@ -128,6 +140,58 @@ class TreeCostControl:
             n = int(keep.sum())
             s.kept_histogram[n] = s.kept_histogram.get(n, 0) + 1
         return budget.keep
+
+    def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
+                      keep: list[np.ndarray]) -> None:
+        num_reqs = max(len(parents), 1)
+        deepest = max((int(node_depths(p).max()) for p in parents if len(p)), default=0)
+        value = np.zeros(deepest)
+        nodes = np.zeros(deepest)
+        for p, v, k in zip(parents, values, keep):
+            d = node_depths(p)
+            np.add.at(value, d[k] - 1, v[k])
+            np.add.at(nodes, d[k] - 1, 1.0)
+        while len(self._depth_value) < deepest:
+            self._depth_value.append(None)
+            self._depth_nodes.append(None)
+        for i in range(deepest):
+            per_v, per_n = value[i] / num_reqs, nodes[i] / num_reqs
+            old_v, old_n = self._depth_value[i], self._depth_nodes[i]
+            a = DEPTH_FORGETTING
+            self._depth_value[i] = per_v if old_v is None else a * old_v + (1 - a) * per_v
+            self._depth_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
+
+    def choose_depth(self, num_reqs: int, max_depth: int) -> int:
+        """Tree depth to draft this round, before any head pass (``choose_tree_depth``):
+        depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing. A
+        depth never drafted yet counts as paying (it is drafted and measured), and every
+        :data:`PROBE_EVERY` rounds the full depth is drafted again."""
+        known = self._depth_value[:max_depth]
+        if len(known) < max_depth or any(v is None for v in known):
+            return max_depth
+        self._since_full += 1
+        if self._since_full >= PROBE_EVERY:
+            self._since_full = 0
+            return max_depth
+        costs = self.step_costs()
+        pass_cost = costs.draft_pass + costs.draft_row * num_reqs
+        depth = choose_tree_depth(
+            [num_reqs * float(v) for v in known],
+            [int(round(num_reqs * float(n))) for n in self._depth_nodes[:max_depth]],
+            num_reqs, costs.fixed,
+            [costs.draft_round] + [pass_cost] * (max_depth - 1),
+            step_costs_target(costs, num_reqs))
+        if depth == max_depth:
+            self._since_full = 0
+        return depth
+
+    def skipped(self, req_ids: Sequence[str]) -> None:
+        """A round that drafted nothing (depth 0): its step verifies no node."""
+        self._last = {rid: (0, 0.0) for rid in req_ids}
+        self._last_total = 0
+        self.stats.rounds += 1
+        self.stats.all_zero_rounds += 1
+        self.stats.kept_histogram[0] = self.stats.kept_histogram.get(0, 0) + len(req_ids)
 
     def unpruned(self) -> None:
         """A round the control does not prune (after :meth:`begin`): neither it nor the

@@ -1,0 +1,64 @@
+"""glue/tree_cost.py without an engine: pruned trees stay valid BFS trees, the acceptance
+scale follows the accepted paths, the drafted depth follows what deeper depths were worth
+(engine tests: tests/eagle/test_eagle3_engine.py, tests/mtad/test_draft_model_tree_engine.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_specx.algorithms.draft_length import StepCosts
+from vllm_specx.glue.tree_cost import PROBE_EVERY, TreeCostControl, apply_keep
+
+
+def _tree() -> tuple[torch.Tensor, torch.Tensor]:
+    # BFS: 0, 1 children of the root; 2, 3 of node 0; 4 of node 2.
+    return torch.tensor([-1, -1, 0, 0, 2]), torch.log(torch.tensor([0.9, 0.05, 0.6, 0.2, 0.5]))
+
+
+def test_prune_keeps_a_bfs_subtree_with_reindexed_parents():
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.3, 0.0, 0.0)
+    keep = control.prune(["a", "b"], [parents, torch.tensor([-1, 0])],
+                         [logq, torch.log(torch.tensor([0.1, 0.05]))], passes=2, rows=4)
+    assert keep[0].tolist() == [True, False, True, False, True]
+    assert not keep[1].any()  # nothing pays: zero nodes
+    tokens, new_parents, idx = apply_keep(torch.arange(10, 15), parents, keep[0])
+    assert tokens.tolist() == [10, 12, 14] and new_parents.tolist() == [-1, 0, 1]
+    assert idx.tolist() == [0, 2, 4]
+    # Costlier nodes: fewer kept; free nodes: everything.
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.0, 0.0, 0.0)
+    assert control.prune(["a"], [parents], [logq], 0, 0)[0].all()
+
+
+def test_acceptance_scale_follows_accepted_paths():
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.0, 0.0, 0.0)
+    assert control.scale == 1.0
+    for _ in range(50):
+        control.begin(["a"], torch.tensor([0]), None)  # no timing: nothing learnt
+        keep = control.prune(["a"], [parents], [logq], 0, 0)
+    assert control.scale == 1.0
+    # Every kept node accepted each step (5 vs a predicted 2.25): the scale rises, capped.
+    for _ in range(50):
+        control.begin(["a"], torch.tensor([0]), 1 + int(keep[0].sum()))
+        keep = control.prune(["a"], [parents], [logq], 0, 0)
+    assert control.scale == 2.0
+    for _ in range(200):  # nothing accepted: down to the floor
+        control.begin(["a"], torch.tensor([int(keep[0].sum())]), 1 + int(keep[0].sum()))
+        keep = control.prune(["a"], [parents], [logq], 0, 0)
+    assert control.scale == 0.25
+
+
+def test_depth_follows_what_deeper_depths_were_worth():
+    parents, logq = _tree()
+    control = TreeCostControl()
+    # A head pass costs as much as a whole step: only depth 1 pays once measured.
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 1.0, 0.0)
+    assert control.choose_depth(1, 3) == 3  # nothing measured yet: the full depth
+    control.prune(["a"], [parents], [logq], 2, 2)
+    depths = [control.choose_depth(1, 3) for _ in range(2 * PROBE_EVERY)]
+    assert depths.count(1) >= 2 * PROBE_EVERY - 2 and 3 in depths  # with full-depth probes
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)  # free passes: full depth
+    assert control.choose_depth(1, 3) == 3
