@@ -73,6 +73,8 @@ class EagleTreeRound:
     _tree_rope: torch.Tensor | None = None
     # The last tree pass's full output ([tokens, ...]), kept by run_model.
     _tree_pass_out: torch.Tensor | None = None
+    # The tree cost control (glue/tree_cost.tree_cost_control_for), made on first use.
+    _tree_cost: Any = None
 
     settings: dict[str, Any]
     model: Any

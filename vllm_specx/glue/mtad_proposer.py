@@ -476,6 +476,8 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
 
     # The tree cost control while a top-k round runs (read by _tree_round), else None.
     _round_tree_cost: Any = None
+    # The proposer's tree cost control (glue/tree_cost.tree_cost_control_for), made once.
+    _tree_cost: Any = None
     # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
     _sampled_q: torch.Tensor | None = None
     sampled_tree_rounds: int = 0
