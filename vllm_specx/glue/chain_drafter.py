@@ -47,7 +47,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule, fixed_keep, step_needed
-from vllm_specx.glue.cost_model import CostControl
+from vllm_specx.glue.cost_model import CostControl, cost_control_applies
 from vllm_specx.glue.draft_passes import (
     RoundStart,
     SpecxPasses,
@@ -152,13 +152,7 @@ class ChainRound:
     def cost_control(self, k_max: int) -> CostControl | None:
         """The drafter's cost control (``glue/cost_model.py``), or None when the
         ``cost_control`` setting is off (then the stop rule alone decides)."""
-        if not self.settings.get("cost_control", False):
-            return None
-        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
-        if parallel is not None and (
-                parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1):
-            # Every rank runs the same draft passes in lockstep (collectives inside): lengths
-            # from each rank's own clock could differ between ranks, so none are used.
+        if not cost_control_applies(self):
             return None
         if self._cost_control is None:
             configured = self.settings.get("num_speculative_tokens") or k_max

@@ -59,6 +59,18 @@ OUTLIER_FACTOR = 5.0  # an interval this many times the model's is not a step
 MIN_OBSERVATIONS_FOR_OUTLIERS = 8
 
 
+def cost_control_applies(proposer: Any) -> bool:
+    """Whether a drafter's measured cost control may run: its ``cost_control`` setting is
+    on and it drafts on one rank. Under tensor or pipeline parallelism every rank runs the
+    same draft passes in lockstep (collectives inside), and lengths or trees chosen from
+    each rank's own clock could differ between ranks, so none are chosen."""
+    if not proposer.settings.get("cost_control", False):
+        return False
+    parallel = getattr(getattr(proposer, "vllm_config", None), "parallel_config", None)
+    return parallel is None or (
+        parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1)
+
+
 class _Regression:
     """Least squares ``y ~ x . theta`` with forgetting over fixed prior pseudo-points."""
 

@@ -88,7 +88,7 @@ from vllm_specx.algorithms.beam_tails import (
 )
 from vllm_specx.algorithms.draft_stop import AlwaysContinue
 from vllm_specx.glue.beam_kv import BeamKVSlots
-from vllm_specx.glue.cost_model import CostControl, RoundPlan
+from vllm_specx.glue.cost_model import CostControl, RoundPlan, cost_control_applies
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
@@ -247,11 +247,7 @@ class MTADRound:
         differs). One depth for the batch: the beams of all requests search in lockstep
         passes, so a per-request depth would need per-request caps in the beam search; the
         ragged verification would take it as it is."""
-        if not self.settings.get("cost_control", False) or self.tree_state is not None:
-            return None
-        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
-        if parallel is not None and (
-                parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1):
+        if self.tree_state is not None or not cost_control_applies(self):
             return None
         if self._cost_control is None:
             configured = self.settings.get("num_speculative_tokens") or k_max

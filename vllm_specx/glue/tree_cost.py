@@ -39,7 +39,7 @@ from vllm_specx.algorithms.tree_budget import (
     step_costs_paid,
     step_costs_target,
 )
-from vllm_specx.glue.cost_model import MeasuredCosts
+from vllm_specx.glue.cost_model import MeasuredCosts, cost_control_applies
 
 SCALE_BOUNDS = (0.25, 2.0)
 SCALE_FORGETTING = 0.98  # per request-step: ~50 request-steps
@@ -240,11 +240,7 @@ def tree_cost_control_for(proposer: Any) -> TreeCostControl | None:
     """The proposer's tree control when its settings turn ``cost_control`` on (made once,
     kept on the proposer as ``_tree_cost``), else None. Off under tensor or pipeline
     parallelism: every rank must draft the same trees, and each rank's clock differs."""
-    if not proposer.settings.get("cost_control", False):
-        return None
-    parallel = getattr(getattr(proposer, "vllm_config", None), "parallel_config", None)
-    if parallel is not None and (
-            parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1):
+    if not cost_control_applies(proposer):
         return None
     control = getattr(proposer, "_tree_cost", None)
     if control is None:
