@@ -47,7 +47,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule, fixed_keep, step_needed
-from vllm_specx.glue.cost_model import CostControl, cost_control_applies
+from vllm_specx.glue.cost_model import CostControl, cost_control_for
 from vllm_specx.glue.draft_passes import (
     RoundStart,
     SpecxPasses,
@@ -152,12 +152,7 @@ class ChainRound:
     def cost_control(self, k_max: int) -> CostControl | None:
         """The drafter's cost control (``glue/cost_model.py``), or None when the
         ``cost_control`` setting is off (then the stop rule alone decides)."""
-        if not cost_control_applies(self):
-            return None
-        if self._cost_control is None:
-            configured = self.settings.get("num_speculative_tokens") or k_max
-            self._cost_control = CostControl(max(int(configured), k_max))
-        return self._cost_control
+        return cost_control_for(self, k_max)
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,

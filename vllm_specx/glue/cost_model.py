@@ -71,6 +71,18 @@ def cost_control_applies(proposer: Any) -> bool:
         parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1)
 
 
+def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
+    """The drafter's chain/depth cost control, made once on ``proposer._cost_control``
+    (sized for the configured ``num_speculative_tokens`` or this step's ``k_max``,
+    whichever is larger), or None where :func:`cost_control_applies` says no."""
+    if not cost_control_applies(proposer):
+        return None
+    if proposer._cost_control is None:
+        configured = proposer.settings.get("num_speculative_tokens") or k_max
+        proposer._cost_control = CostControl(max(int(configured), k_max))
+    return proposer._cost_control
+
+
 class _Regression:
     """Least squares ``y ~ x . theta`` with forgetting over fixed prior pseudo-points."""
 

@@ -88,7 +88,7 @@ from vllm_specx.algorithms.beam_tails import (
 )
 from vllm_specx.algorithms.draft_stop import AlwaysContinue
 from vllm_specx.glue.beam_kv import BeamKVSlots
-from vllm_specx.glue.cost_model import CostControl, RoundPlan, cost_control_applies
+from vllm_specx.glue.cost_model import CostControl, RoundPlan, cost_control_for
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
@@ -247,12 +247,9 @@ class MTADRound:
         differs). One depth for the batch: the beams of all requests search in lockstep
         passes, so a per-request depth would need per-request caps in the beam search; the
         ragged verification would take it as it is."""
-        if self.tree_state is not None or not cost_control_applies(self):
+        if self.tree_state is not None:
             return None
-        if self._cost_control is None:
-            configured = self.settings.get("num_speculative_tokens") or k_max
-            self._cost_control = CostControl(max(int(configured), k_max))
-        return self._cost_control
+        return cost_control_for(self, k_max)
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
