@@ -279,6 +279,16 @@ COST_CONTROL = Knob(
     "alone decides. With a dynamic draft_tree it is off unless given: true keeps per "
     "request only the tree nodes that pay at those costs, down to none (a plain step)",
 )
+# mtad's depth control (issue 32): one depth 0..K per step for the whole batch
+# (``CostControl.plan_depth``); off by default until the bench says it does not hurt
+# (docs/cost-control.md, "mtad: per-step depth").
+MTAD_COST_CONTROL = Knob(
+    "cost_control", "bool", False, "true or false",
+    "choose every step's beam depth (0..num_speculative_tokens, one for the whole batch) "
+    "from the engine's own measured step costs and the requests' acceptance so far; 0 is a "
+    "plain decode step that skips the draft model. Off by default (docs/cost-control.md: "
+    "measured against a fixed K); V1 runner only, not with draft_tree",
+)
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
     "vLLM's setting for a draft with another tokenizer: drafts stay inside the shared "
@@ -485,6 +495,15 @@ def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
     return tree_device_refusal(ctx, tree if isinstance(tree, bool) else dict(tree))
 
 
+def mtad_cost_control_fits(ctx: CheckContext) -> Refusal | None:
+    """``cost_control: true`` on mtad: its depth control plans the single-beam round, so
+    not with ``draft_tree`` (the beams' tree is verified whole; not pruned yet)."""
+    if ctx.settings.get("cost_control") and ctx.settings.get("draft_tree") not in (None, False):
+        return Refusal("cost_control", True, 'false with "draft_tree" on mtad (its beam tree '
+                       "is verified whole; the depth control plans single-beam rounds)")
+    return None
+
+
 def head_tree_fits(ctx: CheckContext) -> Refusal | None:
     """``draft_tree`` on an EAGLE head: ``validate_tree_knob``'s rules, not with the
     adaptive stop, the head's fed nodes within the tree limit, and the device (CPU only)."""
@@ -672,14 +691,20 @@ METHODS: dict[str, MethodSpec] = {
             needs_draft_model=True,
             default_num_speculative_tokens=4,
             knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, GREEDY_DRAFTING, HETEROGENEOUS_VOCAB,
-                   MTAD_DRAFT_TREE),
-            checks=(beam_positions_fit_device, mtad_tree_fits),
+                   MTAD_DRAFT_TREE, MTAD_COST_CONTROL),
+            checks=(beam_positions_fit_device, mtad_tree_fits, mtad_cost_control_fits),
             rule="mtad",
             proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:MTADV2Speculator"),
             runs_on_v2=True,
             available=True,
             beam_width_knob="num_beams",
+            # The depth control plans in the V1 round (SpecxPasses.propose, before the
+            # first pass); the V2 speculator's round plans nothing yet.
+            v1_only_settings=(V1OnlySetting(
+                "cost_control", True,
+                "mtad's per-step depth is planned in the V1 draft round "
+                "(glue/mtad_proposer.py); on V2 mtad drafts a fixed K"),),
         ),
         MethodSpec(
             name="adaptive",

@@ -265,6 +265,9 @@ def test_adaptive_translation():
     ({"method": "adaptive", "model": "d", "cost_control": 0}, "true or false"),
     ({"method": "specx_mtp", "cost_control": True}, '"adaptive": true'),
     ({"method": "specx_eagle3", "model": "d", "cost_control": True}, '"adaptive": true'),
+    ({"method": "mtad", "model": "d", "cost_control": 1}, "true or false"),
+    ({"method": "mtad", "model": "d", "cost_control": True, "draft_tree": True},
+     'false with "draft_tree" on mtad'),
 ])
 def test_cost_control_knob_refused_in_one_line(config, allowed):
     with pytest.raises(SpecxConfigError) as err:
@@ -285,7 +288,6 @@ def test_cost_control_off():
     {"method": "specx_mtp", "cost_control": False},
     {"method": "specx_eagle3", "model": "d", "cost_control": False},
     {"method": "specx_eagle3", "model": "d", "adaptive": False, "cost_control": False},
-    {"method": "mtad", "model": "d", "cost_control": False},  # a knob mtad does not have
 ])
 def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
     # Turning a switch off is never an error: without "adaptive": true every request
@@ -296,14 +298,28 @@ def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
     assert "cost_control" not in result.vllm_speculative_config
 
 
+def test_mtad_cost_control_is_a_knob_off_by_default():
+    # issue 32: mtad's per-step depth control, offered once benchmarked
+    # (docs/cost-control.md); explicit true also keeps mtad on the V1 runner.
+    from vllm_specx.methods import METHODS
+
+    assert run({"method": "mtad", "model": "d"}).specx_settings["cost_control"] is False
+    on = run({"method": "mtad", "model": "d", "cost_control": True})
+    assert on.specx_settings["cost_control"] is True
+    assert "cost_control" not in on.vllm_speculative_config
+    assert "V1" in METHODS["mtad"].v1_only_reason(on.specx_settings)
+    off = run({"method": "mtad", "model": "d", "cost_control": False, "draft_tree": True})
+    assert off.specx_settings["cost_control"] is False
+    assert METHODS["mtad"].v1_only_reason(off.specx_settings) is None
+
+
 def test_another_method_s_switch_turned_on_is_still_refused():
-    for config in ({"method": "mtad", "model": "d", "cost_control": True},
-                   {"method": "specx_mtp", "draft_tree": True},
+    for config in ({"method": "adaptive", "model": "d", "adaptive": True},
                    {"method": "mtad", "model": "d", "stop_threshold": 0.5}):
         with pytest.raises(SpecxConfigError, match="belongs to specx method"):
             run(config)
-    result = run({"method": "specx_mtp", "draft_tree": False})
-    assert "draft_tree" not in result.specx_settings
+    result = run({"method": "adaptive", "model": "d", "adaptive": False})
+    assert "adaptive" not in result.specx_settings
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [

@@ -33,8 +33,14 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(pair):
     target_dir, draft_dir, _, _ = pair
-    # 64 batched tokens: the 70-token prompt below is prefilled in chunks.
-    eng = start_engine(target_dir, draft_dir, K, num_beams=2)
+    # 64 batched tokens: the 70-token prompt below is prefilled in chunks. The user's
+    # "cost_control": true (issue 32) is recorded as the runner hook handed it to the
+    # drafter, then turned off: the other tests pin drafts of depth K.
+    eng = start_engine(target_dir, draft_dir, K, num_beams=2,
+                       spec_extra={"cost_control": True})
+    eng.configured_settings = dict(eng.drafter.settings)
+    eng.drafter.settings = {**eng.drafter.settings, "cost_control": False}
+    eng.drafter._cost_control = None
     yield eng
     eng.close()
 
@@ -163,6 +169,116 @@ def test_cost_control_depth_zero_steps_are_plain_decoding(pair, engine):
     finally:
         drafter.settings = {**drafter.settings, "cost_control": False}
         drafter._cost_control = None
+
+
+def _control_on(drafter, rates=None):
+    """The drafter's depth control, on, with a fixed cost model (no timing decides) and,
+    given ``rates``, every request's acceptance pinned to that rate with no probes."""
+    import numpy as np
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    drafter.settings = {**drafter.settings, "cost_control": True}
+    drafter._cost_control = None
+    control = drafter.cost_control(K)
+    control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                    target_per_token=0.02, draft_pass=0.02, draft_row=0.01)
+    if rates is not None:
+        control.history.rates = lambda ids: np.full((len(ids), K), rates)
+        control.history.probe_interval = 10**9
+    return control
+
+
+def _control_off(drafter):
+    drafter.settings = {**drafter.settings, "cost_control": False}
+    drafter._cost_control = None
+
+
+def test_cost_control_from_the_config_varies_the_depth(pair, engine):
+    """``"cost_control": true`` in the user's config reaches the mtad drafter (the module
+    engine was started with it); on, with the acceptance the control learns from the
+    verified drafts (a fixed cost model, so no clock decides), the depth changes step to
+    step (the 0.6 prior drafts deep, the fixture pair's low acceptance then cuts it), greedy
+    output stays the target's, every drafted round equals the reference beam search of its
+    depth, and a seeded sampled batch completes."""
+    from vllm import SamplingParams
+
+    _, _, target, draft = pair
+    assert engine.configured_settings["cost_control"] is True
+    drafter = engine.drafter
+    drafter.num_beams = 2
+    try:
+        control = _control_on(drafter)
+        prompts = prompts_of([6, 15, 10], seed=41)
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (20, 14, 18)]
+        seqs = engine.generate(prompts, params)
+        ids = sorted(seqs, key=int)
+        for rid, prompt, sp in zip(ids, prompts, params):
+            assert seqs[rid] == prompt + greedy_generate(target, prompt, sp.max_tokens), rid
+        assert len(control.stats.depths) >= 2, control.stats.depths
+        records = list(engine.records)
+        drafted = {len(r.tokens) for r in records}
+        assert drafted, "no step drafted"
+        warpings = {rid: Warping(temperature=0.0) for rid in ids}
+        lens = {rid: len(p) for rid, p in zip(ids, prompts)}
+        checked = 0
+        for depth in sorted(drafted):
+            engine.records = [r for r in records if len(r.tokens) == depth]
+            checked += check_rounds_against_reference(
+                engine, seqs, lens, draft, warpings, depth)[0]
+        assert checked >= 3
+        assert drafter.specx_stats()["cost_control"]["depth_histogram"]
+        sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=7 + i, ignore_eos=True)
+                   for i in range(3)]
+        out = engine.generate(prompts, sampled)
+        assert sorted(len(v) - len(p) for v, p in zip(
+            (out[r] for r in sorted(out, key=int)), prompts)) == [12, 12, 12]
+    finally:
+        _control_off(drafter)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_cost_control_planning_zero_or_k_leaves_mtad_as_it_is(pair, engine, rate):
+    """Control forced to plan depth 0 every step: no round runs, every step skips the
+    draft's first pass, and greedy output equals no speculation. Forced to plan depth K
+    every step: the same drafts, q and outputs as with the control off, sampled rows
+    included (seeded): a step that drafts is drafted and verified by mtad's own rule,
+    unchanged."""
+    from vllm import SamplingParams
+
+    _, _, target, _ = pair
+    drafter = engine.drafter
+    drafter.num_beams = 2
+    prompts = prompts_of([8, 12, 5], seed=43)
+    params = [SamplingParams(temperature=0.0, max_tokens=12),
+              SamplingParams(temperature=1.0, max_tokens=12, seed=5, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=10, max_tokens=12, seed=6,
+                             ignore_eos=True)]
+    def rounds(seqs):  # every drafted request-round, by the request's place in the batch
+        order = sorted(seqs, key=int)
+        return [(order.index(r.req_id), r.position, r.tokens, r.q) for r in engine.records]
+
+    if rate == 1.0:
+        plain = engine.generate(prompts, params)
+        plain_records = rounds(plain)
+    skipped_before = drafter.kv_holes().skipped_first_passes
+    try:
+        control = _control_on(drafter, rates=rate)
+        seqs = engine.generate(prompts, params)
+        records = rounds(seqs)
+    finally:
+        _control_off(drafter)
+    ids = sorted(seqs, key=int)
+    if rate == 0.0:
+        assert records == []
+        assert set(control.stats.depths) == {0}
+        assert drafter.kv_holes().skipped_first_passes - skipped_before >= 10
+        assert seqs[ids[0]] == prompts[0] + greedy_generate(target, prompts[0], 12)
+        assert all(len(seqs[r]) == len(p) + 12 for r, p in zip(ids[1:], prompts[1:]))
+    else:
+        assert set(control.stats.depths) == {K}
+        assert [seqs[r] for r in ids] == [plain[r] for r in sorted(plain, key=int)]
+        assert records == plain_records and len(records) >= 10
 
 
 def test_lookahead_past_max_model_len_does_not_crash(pair, engine):

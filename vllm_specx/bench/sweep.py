@@ -22,6 +22,8 @@ from vllm_specx.bench.prompts import PromptSet
 # only with "adaptive": true (without it they draft K every step).
 _CONTROLLED = ("adaptive",)
 _CONTROLLED_WHEN_ADAPTIVE = ("specx_mtp", "specx_eagle3", "specx_eagle")
+# Methods whose (depth) control runs only when "cost_control": true is given (mtad).
+_CONTROLLED_WHEN_GIVEN = ("mtad",)
 OFF_SUFFIX = " (cost_control off)"
 CSV_SUFFIX = "_batch_sweep.csv"
 PNG_SUFFIX = "_batch_sweep.png"
@@ -47,6 +49,8 @@ def cost_control_applies(cfg: dict[str, Any]) -> bool:
     if cfg.get("cost_control") is False:
         return False
     method = cfg.get("method")
+    if method in _CONTROLLED_WHEN_GIVEN:
+        return cfg.get("cost_control") is True and not cfg.get("draft_tree")
     if cfg.get("draft_tree") and method in (*_CONTROLLED, *_CONTROLLED_WHEN_ADAPTIVE):
         # A dynamic tree is pruned by cost only when asked for (off by default).
         tree = cfg["draft_tree"]

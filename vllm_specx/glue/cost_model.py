@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -227,6 +227,8 @@ class CostControlStats:
     partial_zero_steps: int = 0
     planned_tokens: int = 0
     probes: int = 0
+    # Beam rounds (plan_depth): how many steps were planned at each depth.
+    depths: dict[int, int] = field(default_factory=dict)
 
 
 class CostControl:
@@ -317,6 +319,7 @@ class CostControl:
         self.stats.steps += 1
         self.stats.probes += int(depth > choice.depth)
         self.stats.planned_tokens += depth * len(req_ids)
+        self.stats.depths[depth] = self.stats.depths.get(depth, 0) + 1
         if depth == 0:
             self.stats.all_zero_steps += 1
         return depth
@@ -336,4 +339,6 @@ class CostControl:
             "steps": s.steps, "all_zero_steps": s.all_zero_steps,
             "partial_zero_steps": s.partial_zero_steps, "probes": s.probes,
             "pooled_acceptance": [round(float(a), 3) for a in self.history.pooled_rates()],
+            **({"depth_histogram": {str(d): n for d, n in sorted(s.depths.items())}}
+               if s.depths else {}),
         }

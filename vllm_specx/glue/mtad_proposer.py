@@ -442,8 +442,15 @@ class MTADRound:
         return self._slots if self._slots.usable else None
 
     def specx_stats(self) -> dict[str, Any]:
-        """The drafter's own counters for ``vllm-specx bench`` (``DrafterStats`` keys)."""
-        return self.stats.as_dict()
+        """The drafter's own counters for ``vllm-specx bench`` (``DrafterStats`` keys), and
+        the depth control's model and plans when it ran (as the chain drafters report)."""
+        stats: dict[str, Any] = self.stats.as_dict()
+        if self._cost_control is not None:
+            stats["cost_control"] = self._cost_control.describe()
+            holes = getattr(self, "_kv_holes", None)
+            if holes is not None:
+                stats["cost_control"]["idle_first_pass"] = holes.as_dict()
+        return stats
 
 
 class MTADProposer(MTADRound, SpecxDraftModelProposer):
