@@ -454,21 +454,15 @@ def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
     return beams * k
 
 
-def _device_type(device: str) -> str:
-    # "cpu" (tests) or "<platform> (<backend>)" (config translation).
-    return device.rsplit("(", 1)[-1].rstrip(")").strip() if "(" in device else device
-
-
 def tree_device_refusal(ctx: CheckContext, shown: Any) -> Refusal | None:
     """A draft tree on a device that cannot verify one yet, refused with that device
-    backend's own reason (``DeviceLimits.reason_no_draft_tree``: on CUDA the Triton tree
-    kernel is not validated in an engine yet, on Ascend the attention gets no tree mask
-    and tree size + 1 <= 16); None on CPU."""
+    backend's own reason (``DeviceLimits.reason_no_draft_tree``: on Ascend the attention
+    gets no tree mask and tree size + 1 <= 16); None on CPU and CUDA (there on the V1
+    runner: ``DeviceLimits.reason_no_draft_tree_v2``)."""
     reason = ctx.limits.reason_no_draft_tree
-    if not reason and _device_type(ctx.device) == "cpu":
+    if not reason:
         return None
-    return Refusal("draft_tree", shown, f"not on {ctx.device} yet: " + (
-        reason or "tree verification runs on CPU only (vLLM's V1 runner or Model Runner V2)"))
+    return Refusal("draft_tree", shown, f"not on {ctx.device} yet: " + reason)
 
 
 def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:

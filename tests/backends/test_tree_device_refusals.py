@@ -1,7 +1,8 @@
 """A draft tree on a device that cannot verify one yet is refused before start in one line
-that gives the device backend's own reason (``DeviceLimits.reason_no_draft_tree``): on CUDA
-the Triton tree kernel is ready but its engine path is not validated on a GPU; on Ascend
-the tree mask is not routed and tree size + 1 <= 16. The CPU backend has no such reason."""
+that gives the device backend's own reason (``DeviceLimits.reason_no_draft_tree``): on
+Ascend the tree mask is not routed and tree size + 1 <= 16. CPU and CUDA verify trees;
+on CUDA on vLLM's V1 runner only (``reason_no_draft_tree_v2``), which vLLM is told through
+its V2 opt-out list (``specx_selects_v1_runner``)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ def _translate(config: dict, device: str):
 
 @pytest.mark.parametrize("method", sorted(TREES))
 @pytest.mark.parametrize("device, fragments", [
-    ("cuda", ["not on cuda yet", "Triton tree attention kernel is ready",
-              "not yet validated on a GPU"]),
     ("npu", ["not on npu yet", "npu_fused_infer_attention_score", "tree size + 1 <= 16"]),
 ])
 def test_tree_refusal_gives_the_devices_reason(method, device, fragments) -> None:
@@ -43,6 +42,21 @@ def test_tree_refusal_gives_the_devices_reason(method, device, fragments) -> Non
 
 
 @pytest.mark.parametrize("method", sorted(TREES))
-def test_cpu_has_no_tree_refusal(method) -> None:
-    assert backend_for_device("cpu").limits.reason_no_draft_tree == ""
-    assert _translate(TREES[method], "cpu").specx_settings["draft_tree"]
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_cpu_and_cuda_have_no_tree_refusal(method, device) -> None:
+    assert backend_for_device(device).limits.reason_no_draft_tree == ""
+    assert _translate(TREES[method], device).specx_settings["draft_tree"]
+
+
+@pytest.mark.parametrize("method", sorted(TREES))
+def test_trees_on_cuda_select_the_v1_runner(method) -> None:
+    """On CUDA a tree config needs the V1 runner, with the reason in vLLM's opt-out list;
+    a chain config of the same method, and any config on CPU, has no such reason."""
+    from vllm_specx.glue.patches import device_v1_only_reason
+
+    settings = _translate(TREES[method], "cuda").specx_settings
+    cuda = backend_for_device("cuda")
+    reason = device_v1_only_reason(settings, cuda)
+    assert reason == cuda.limits.reason_no_draft_tree_v2 and "V1 model runner" in reason
+    assert device_v1_only_reason(settings, backend_for_device("cpu")) is None
+    assert device_v1_only_reason({**settings, "draft_tree": False}, cuda) is None

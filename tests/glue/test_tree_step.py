@@ -30,7 +30,8 @@ def _runner(structured: set[str]) -> SimpleNamespace:
     }
     return SimpleNamespace(
         input_batch=SimpleNamespace(num_reqs=2, req_ids=req_ids, sampling_metadata=metadata,
-                                    block_table=[slots]),
+                                    block_table=[slots],
+                                    num_computed_tokens_cpu=np.array(ctx, dtype=np.int32)),
         query_start_loc=SimpleNamespace(np=np.array([0, 4, 8])),
         positions=positions,
         kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]),

@@ -55,6 +55,10 @@ class DeviceLimits:
     # ("" = it can). Config validation and the Ascend check put it in their one-line
     # refusal, so the line names this device's own reason, written in one place.
     reason_no_draft_tree: str = ""
+    # Draft trees that run on vLLM's V1 runner here but not on Model Runner V2 yet: why
+    # ("" = no such limit). A tree config then runs on V1 (vLLM is told so through the
+    # V2 opt-out list, and VLLM_USE_V2_MODEL_RUNNER=1 is refused in one line).
+    reason_no_draft_tree_v2: str = ""
 
     def speculative_tokens_limit(self) -> tuple[int, str]:
         """The largest K the whole runtime accepts (the device's own limit or the

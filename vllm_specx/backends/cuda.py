@@ -6,10 +6,11 @@ importing this module (config validation does) needs neither Triton nor a GPU. R
 reports device type "cuda" and runs the same kernels.
 
 Draft trees: :func:`tree_attention` is the one-call-per-layer attention a tree step
-needs on CUDA (tested against the CPU tree attention under the Triton interpreter), but
-no vLLM engine routes a tree step's attention to it yet (that path has not run on a
-GPU), so a ``draft_tree`` config is still refused on CUDA with
-:data:`REASON_NO_DRAFT_TREE`.
+needs on CUDA (tested against the CPU tree attention under the Triton interpreter). On
+vLLM's V1 runner a tree config runs with the target on vLLM's ``TRITON_ATTN`` backend,
+whose forward is routed to it during a tree step (``glue/cuda_tree_attention.py``);
+Model Runner V2 on CUDA is not wired (:data:`REASON_NO_DRAFT_TREE_V2`), so a tree config
+runs on V1 there.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import torch
 from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.backends.base import Backend, DeviceLimits
 
-__all__ = ["BACKEND", "REASON_NO_DRAFT_TREE", "tree_attention", "verify"]
+__all__ = ["BACKEND", "REASON_NO_DRAFT_TREE_V2", "tree_attention", "verify"]
 
-REASON_NO_DRAFT_TREE = (
-    "the Triton tree attention kernel is ready (vllm_specx/backends/"
-    "triton_tree_attention.py, equal to the CPU tree attention under the Triton "
-    "interpreter) but its engine path is not yet validated on a GPU, so tree verification "
-    "runs on CPU only for now (vLLM's V1 runner or Model Runner V2)"
+REASON_NO_DRAFT_TREE_V2 = (
+    "draft trees on CUDA run on vLLM's V1 model runner: Model Runner V2's tree step "
+    "sets the tree masks for the CPU attention only, and its CUDA attention path (the "
+    "Triton tree kernel through V2's attention metadata) is not wired yet"
 )
 
 
@@ -56,7 +56,7 @@ BACKEND = Backend(
         max_num_speculative_tokens=None,
         max_beam_positions=256,
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
-        reason_no_draft_tree=REASON_NO_DRAFT_TREE,
+        reason_no_draft_tree_v2=REASON_NO_DRAFT_TREE_V2,
     ),
     verify=verify,
     description="Triton kernels (also run on CPU under TRITON_INTERPRET=1 in tests)",

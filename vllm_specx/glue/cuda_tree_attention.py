@@ -13,24 +13,33 @@ and moves the accepted path's K/V with ``cpu_attn_copy_slots``. The CUDA counter
   soft-capping, sliding windows, sinks, quantised KV caches, encoder attention), one line.
 * :func:`copy_slots`: the accepted path's K/V moved in the Triton backend's cache layout.
 
-Status (honest): these are tested on CPU (the kernel under the Triton interpreter, the
-argument mapping against vLLM's real ``TritonAttentionImpl`` and metadata), but no patch
-routes ``TritonAttentionImpl.forward`` here yet and nothing has run on a GPU, so
-``draft_tree`` stays refused on CUDA before start (``backends/cuda.REASON_NO_DRAFT_TREE``).
-What is left: a named patch of ``TritonAttentionImpl.forward`` that calls
-:func:`tree_forward` while the step's masks are set (and the FlashAttention choice:
-switch a tree config's target to ``TRITON_ATTN`` with one log line), the tree step's
-compaction through :func:`copy_slots` on CUDA, and a GPU run of the greedy-equality
-engine tests before lifting the refusal.
+* :class:`TritonTreeRoute`: the named patch (``triton_attention_tree_route``) of
+  ``TritonAttentionImpl.forward`` that calls :func:`tree_forward` while a forward's tree
+  masks are set (the CPU path's step-scoped state, ``cpu_ops.attention.query_masks``:
+  the target's tree step and the EAGLE heads' tree passes set it) and vLLM's own forward,
+  untouched, otherwise.
+
+Status: tested on CPU (the kernel and the patched forward under the Triton interpreter,
+against vLLM's real ``TritonAttentionImpl`` and metadata); the engine path (V1 runner,
+``TRITON_ATTN``, eager) is switched on for CUDA; the GPU run of the engine tests
+(``tests/backends/test_cuda_tree_engine.py``) is the check that it works there.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["copy_slots", "tree_forward", "tree_forward_args", "tree_forward_refusal"]
+from vllm_specx.glue.patch_base import VllmPatch
+
+__all__ = ["TRITON_ATTN", "TritonTreeRoute", "copy_slots", "device_tree_masks",
+           "prepare_cuda_tree_engine", "tree_config_refusal", "tree_forward",
+           "tree_forward_args", "tree_forward_refusal"]
+
+# vLLM's name of its Triton attention backend (AttentionBackendEnum.TRITON_ATTN).
+TRITON_ATTN = "TRITON_ATTN"
 
 # kv_cache_dtype values the kernel reads as they are (no dequantisation in it).
 _PLAIN_KV_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32"})
@@ -56,6 +65,78 @@ def tree_forward_refusal(impl: Any) -> str | None:
     return None
 
 
+def tree_config_refusal(model_config: Any, kv_cache_dtype: str | None) -> str | None:
+    """What :func:`tree_forward_refusal` would say of the target's layers, read off the
+    model config before start (the layers themselves exist only after load; the patched
+    forward checks them again): a quantised KV cache, logit soft-capping, a sliding
+    window. One line, or None."""
+    if kv_cache_dtype not in (None, *_PLAIN_KV_DTYPES):
+        return (f"kv_cache_dtype {kv_cache_dtype!r}: the tree kernel reads unquantised "
+                "caches only")
+    hf = getattr(model_config, "hf_text_config", None)
+    for key in ("attn_logit_softcapping", "attn_logit_softcap"):
+        if getattr(hf, key, None):
+            return "logit soft-capping is not in the tree kernel"
+    window = model_config.get_sliding_window() if hasattr(
+        model_config, "get_sliding_window") else None
+    if window:
+        return (f"a sliding window ({window}): it would cut keys by KV slot, not by tree "
+                "position")
+    return None
+
+
+def _backend_name(value: Any) -> str | None:
+    name = getattr(value, "name", value)
+    if name is None or str(name).lower() == "auto":
+        return None
+    return str(name).upper()
+
+
+def prepare_cuda_tree_engine(engine_args: Any, model_config: Any, method: str,
+                             tree: Any) -> str:
+    """Before start, for a ``draft_tree`` config on CUDA: refuse in one line what the tree
+    kernel cannot stand in for, put the target on vLLM's ``TRITON_ATTN`` backend (vLLM
+    picks FlashAttention on NVIDIA by default, which takes no per-request mask) and make
+    the engine eager; returns the one log line that says so.
+
+    ``engine_args`` is the ``EngineArgs`` being turned into a ``VllmConfig`` (its
+    attention backend is read after the speculative config, so setting it here takes
+    effect); ``model_config`` the target's ``ModelConfig``, already built, whose
+    ``enforce_eager`` decides CUDA graphs and compilation in ``VllmConfig``."""
+    from vllm_specx.config import SpecxConfigError
+
+    head = (f'speculative_config["draft_tree"] = {tree!r} is not allowed for method '
+            f"'{method}' on CUDA")
+    refusal = tree_config_refusal(model_config, getattr(engine_args, "kv_cache_dtype", None))
+    if refusal is not None:
+        raise SpecxConfigError(f"{head}: {refusal}.")
+    attention = getattr(engine_args, "attention_config", None)
+    given = _backend_name(getattr(engine_args, "attention_backend", None)) or _backend_name(
+        getattr(attention, "backend", None))
+    per_kind = {kind: _backend_name(b) for kind, b in
+                (getattr(attention, "backend_per_kind", None) or {}).items()}
+    others = sorted({b for b in [given, *per_kind.values()] if b not in (None, TRITON_ATTN)})
+    if others:
+        raise SpecxConfigError(
+            f"{head} with the {', '.join(others)} attention backend: a tree step runs "
+            f"vllm-specx's Triton tree kernel in place of vLLM's {TRITON_ATTN} backend's "
+            "attention (the others take no per-request tree mask); leave the attention "
+            f"backend unset (vllm-specx then picks {TRITON_ATTN}) or set it to {TRITON_ATTN}.")
+    if given is None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
+    engine_args.enforce_eager = True
+    model_config.enforce_eager = True
+    chose = ("switched from vLLM's default (FlashAttention on NVIDIA) to" if given is None
+             else "on")
+    return (f"vllm-specx: {method} with draft_tree on CUDA: the target's attention "
+            f"{chose} vLLM's {TRITON_ATTN} backend, whose layers run vllm-specx's Triton "
+            "tree kernel during tree steps (glue/cuda_tree_attention.py); the engine runs "
+            "eager (enforce_eager: no CUDA graph is captured for the target, the drafter "
+            "or the tree steps, and nothing is torch.compiled); Model Runner V1.")
+
+
 def tree_forward_args(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor,
                       attn_metadata: Any, output: torch.Tensor, masks: Any) -> dict[str, Any]:
     """The Triton tree kernel's arguments for one layer of a tree step: exactly the views
@@ -67,6 +148,22 @@ def tree_forward_args(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor,
     if refusal is not None:
         raise NotImplementedError(f"vllm-specx tree attention on CUDA: {refusal}")
     n = attn_metadata.num_actual_tokens
+    if attn_metadata.causal is not True:
+        # The CPU op refuses this too: tree masks refine a causal forward only.
+        raise RuntimeError("vllm-specx: tree query masks on a non-causal attention call")
+    if getattr(attn_metadata, "mm_prefix_range_tensor", None) is not None:
+        raise NotImplementedError("vllm-specx tree attention on CUDA: bidirectional "
+                                  "multimodal prefixes are not in the tree kernel")
+    reqs = attn_metadata.seq_lens.shape[0]
+    if masks.first_row.shape[0] < reqs:
+        # Requests padded past the step's (seq_len 0, no query rows) are causal.
+        pad = torch.full((reqs - masks.first_row.shape[0],), -1, dtype=torch.int32,
+                         device=masks.first_row.device)
+        masks = type(masks)(torch.cat([masks.first_row, pad]), masks.rows)
+    elif masks.first_row.shape[0] > reqs:
+        raise RuntimeError(
+            f"vllm-specx: the step's tree masks were built for {masks.first_row.shape[0]} "
+            f"requests, but attention ran over {reqs}")
     # (B, H, N, 2 hs) -> (B, N, H, 2 hs) -> K and V views, as the backend does.
     key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
     return dict(
@@ -86,6 +183,37 @@ def tree_forward(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor,
     return output
 
 
+# The device twin of the forward's QueryMasks: (the QueryMasks object, device, TreeMasks).
+# Built on the first layer of a forward, read by every other layer of it.
+_TWIN: tuple[Any, torch.device, Any] | None = None
+
+
+def device_tree_masks(masks: Any, device: torch.device) -> Any:
+    """The kernel's :class:`~vllm_specx.backends.triton_tree_attention.TreeMasks` on
+    ``device`` for the CPU path's ``QueryMasks`` (built once per forward, not per layer;
+    copied from pinned memory without a host sync on CUDA)."""
+    global _TWIN
+    twin = _TWIN
+    if twin is not None and twin[0] is masks and twin[1] == device:
+        return twin[2]
+    from vllm_specx.backends.triton_tree_attention import TreeMasks
+
+    host = TreeMasks.from_query_masks(masks)
+    if device.type == "cuda":
+        built = TreeMasks(host.first_row.pin_memory().to(device, non_blocking=True),
+                          host.rows.pin_memory().to(device, non_blocking=True))
+    else:
+        built = TreeMasks(host.first_row.to(device), host.rows.to(device))
+    _TWIN = (masks, device, built)
+    return built
+
+
+def _active_query_masks() -> Any:
+    from vllm_specx.cpu_ops import attention
+
+    return attention.active_query_masks()
+
+
 def copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
                dst_slots: torch.Tensor) -> None:
     """Copy the K and V of slots ``src_slots[i]`` to ``dst_slots[i]`` in one layer's
@@ -99,3 +227,36 @@ def copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
     src, dst = src_slots.to(torch.int64), dst_slots.to(torch.int64)
     moved = by_slot[src // block_size, src % block_size]  # a copy: [n, kv heads, 2 * head]
     by_slot[dst // block_size, dst % block_size] = moved
+
+
+class TritonTreeRoute(VllmPatch):
+    name = "triton_attention_tree_route"
+    target = "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward"
+    replaces = ("TritonAttentionImpl.forward, vLLM's Triton attention layer (its "
+                "unified_attention call)")
+    why = ("draft trees on CUDA: while a forward's tree masks are set (the target's tree "
+           "step, an EAGLE head's tree pass) the layer runs vllm-specx's Triton tree kernel "
+           "(cuda_tree_attention.tree_forward) instead of unified_attention, which takes no "
+           "per-request mask; every other forward calls vLLM's own, unchanged")
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def forward(self_: Any, *args: Any, **kw: Any) -> Any:
+            masks = _active_query_masks()
+            if masks is None:
+                return original(self_, *args, **kw)
+            bound = signature.bind(self_, *args, **kw)
+            a = bound.arguments
+            metadata = a["attn_metadata"]
+            if metadata is None:  # vLLM's profiling run: no cache, nothing to mask
+                return original(self_, *args, **kw)
+            if a.get("output_scale") is not None or a.get("output_block_scale") is not None:
+                raise NotImplementedError("vllm-specx tree attention on CUDA: fused output "
+                                          "quantisation is not in the tree kernel")
+            query = a["query"]
+            return tree_forward(self_, query, a["kv_cache"], metadata, a["output"],
+                                device_tree_masks(masks, query.device))
+
+        return forward

@@ -22,6 +22,7 @@ from vllm_specx.config import (
 )
 from vllm_specx.envflags import env_flag
 from vllm_specx.glue.beam_kv import BeamScratchReservation
+from vllm_specx.glue.cuda_tree_attention import TritonTreeRoute, prepare_cuda_tree_engine
 from vllm_specx.glue.parallelism import parallelism_refusal
 from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.glue.tree_step import TREE_STEP_PATCHES
@@ -167,6 +168,19 @@ V2_CUDAGRAPH_DECLARATION: dict[str, str] = {
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
+def device_v1_only_reason(settings: Any, backend: Any = None) -> str | None:
+    """Why these settings need the V1 runner on this device (None: nothing device-specific):
+    a draft tree where the device backend verifies trees on V1 only
+    (``DeviceLimits.reason_no_draft_tree_v2``: CUDA)."""
+    if not settings or not tree_on(settings):
+        return None
+    if backend is None:
+        from vllm_specx.backends import select_backend
+
+        backend = select_backend()
+    return backend.limits.reason_no_draft_tree_v2 or None
+
+
 def runner_announcement(method: str, v1_reason: str | None) -> str:
     """The line logged before start: the model runner the method will run on, as vLLM
     chooses it (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when
@@ -248,7 +262,8 @@ class SpeculativeConfigTranslation(VllmPatch):
                         f"{flag} and --speculative-config['{key}'] are mutually exclusive"
                     )
             method = result.specx_settings["method"]
-            v1_reason = METHODS[method].v1_only_reason(result.specx_settings)
+            v1_reason = (METHODS[method].v1_only_reason(result.specx_settings)
+                         or device_v1_only_reason(result.specx_settings, backend))
             if env_flag("VLLM_USE_V2_MODEL_RUNNER") and v1_reason is not None:
                 raise SpecxConfigError(
                     f'speculative_config["method"] = "{method}" runs on vLLM\'s V1 model '
@@ -256,6 +271,11 @@ class SpeculativeConfigTranslation(VllmPatch):
                 )
             # docs/model-runners.md: the runner, and CUDA graphs on V2, before start.
             logger.info("%s", runner_announcement(method, v1_reason))
+            if backend.name == "cuda" and tree_on(result.specx_settings):
+                # docs/trees.md "On CUDA and Ascend": TRITON_ATTN, eager, one line.
+                logger.info("%s", prepare_cuda_tree_engine(
+                    self_, target_model_config, method,
+                    result.specx_settings.get("draft_tree")))
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings,
                                result.vllm_speculative_config.get("model"))
@@ -325,8 +345,8 @@ class SpecxOnV1Runner(VllmPatch):
             features = list(original(self_))
             settings = specx_settings(self_)
             spec = METHODS.get(settings["method"]) if settings else None
-            reason = (spec.v1_only_reason(settings) if spec is not None
-                      else "unknown method") if settings else None
+            reason = ((spec.v1_only_reason(settings) or device_v1_only_reason(settings))
+                      if spec is not None else "unknown method") if settings else None
             if reason is not None:
                 features.append(
                     f"vllm-specx speculative method '{settings['method']}' ({reason})"
@@ -373,6 +393,7 @@ ALL_PATCHES: tuple[VllmPatch, ...] = (
     RunnerSpecxComponents(),
     BeamScratchReservation(),
     *TREE_STEP_PATCHES,  # draft trees on the V1 runner (glue/tree_step.py)
+    TritonTreeRoute(),  # draft trees on CUDA (glue/cuda_tree_attention.py)
     *V2_PATCHES,  # Model Runner V2 (glue/v2_patches.py)
     *V2_TREE_STEP_PATCHES,  # draft trees on Model Runner V2 (glue/v2_tree_step.py)
 )

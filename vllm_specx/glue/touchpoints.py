@@ -26,6 +26,8 @@ Patches (name -- scope -- what in vLLM changes):
 * tree_step_inputs -- always -- ``GPUModelRunner._prepare_inputs`` (when vLLM imports it)
 * tree_step_masks -- always -- ``GPUModelRunner._model_forward`` (when vLLM imports it)
 * tree_step_compaction -- always -- ``GPUModelRunner._sample`` (when vLLM imports it)
+* triton_attention_tree_route -- always -- ``TritonAttentionImpl.forward`` (when vLLM imports
+  it)
 * v2_specx_speculator -- always -- Model Runner V2's ``GPUModelRunner.__init__`` (when vLLM
   imports it)
 * v2_ragged_draft_lengths -- always -- Model Runner V2's

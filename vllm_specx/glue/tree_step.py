@@ -26,8 +26,12 @@ runner (the ``tree_step_*`` patches below, all no-ops unless the runner carries 
    could be read. The draft model's own KV needs no compaction: its first pass rewrites
    the draft KV of every verified token each round.
 
-CPU only (the mask lives in this project's CPU attention op); a tree config on a GPU or
-on Ascend is refused before start (``vllm_specx.config``). Model Runner V2 runs the same
+On CPU the masks go to this project's CPU attention op; on CUDA (V1 runner, vLLM's
+``TRITON_ATTN`` backend) the same step-scoped masks route every target attention layer
+to the Triton tree kernel (``glue/cuda_tree_attention.py``, the
+``triton_attention_tree_route`` patch) and the compaction moves K/V with its
+``copy_slots``; host-to-device copies go from pinned memory without a host sync. A tree
+config on Ascend is refused before start (``vllm_specx.config``). Model Runner V2 runs the same
 step through its own three seams (``glue/v2_tree_step.py``), sharing the pure parts here:
 the tree's depths and mask, which drafted tree a request's scheduled drafts are
 (:meth:`TreeState.tree_for`) and the KV move (:func:`compact_path_kv`).
@@ -209,10 +213,12 @@ class TreeState:
                 # chain, which is what the bitmask is right for.
                 continue
             start = int(qsl[r])
-            ctx = int(runner.positions[start])
+            # The root's position, from the host copy (runner.positions is on the GPU
+            # on CUDA; synchronous scheduling, so the host count is exact).
+            ctx = int(batch.num_computed_tokens_cpu[r])
             # RoPE position of node i: ctx + depth(i); its KV slot stays ctx + 1 + i.
-            runner.positions[start + 1: start + 1 + n] = ctx + tree_depths(parents).to(
-                runner.positions.device, runner.positions.dtype)
+            runner.positions[start + 1: start + 1 + n] = _to_device(
+                ctx + tree_depths(parents), runner.positions)
             slots = {
                 gid: batch.block_table[gid].slot_mapping.gpu[start: start + n + 1].clone()
                 for gid in range(len(runner.kv_cache_config.kv_cache_groups))
@@ -240,17 +246,16 @@ class TreeState:
             s = tree.start
             if a:
                 for buf in _input_id_buffers(runner):
-                    buf[s + 1: s + 1 + a] = tree.tokens[nodes].to(buf.device, buf.dtype)
+                    buf[s + 1: s + 1 + a] = _to_device(tree.tokens[nodes], buf)
             runner.positions[s + 1: s + 1 + n] = torch.arange(
-                tree.ctx + 1, tree.ctx + 1 + n, dtype=runner.positions.dtype)
+                tree.ctx + 1, tree.ctx + 1 + n, dtype=runner.positions.dtype,
+                device=runner.positions.device)
 
     def compact_path_kv(self, step: TreeStep, tree: StepTree,
                         layers: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         """Move ``tree``'s accepted path's target K/V (at the slots of its nodes' flat
         indices) to the contiguous slots after the root in every layer of ``layers``
         (KV cache group -> caches), count it, and return the path's node indices."""
-        from vllm_specx.cpu_ops.attention import cpu_attn_copy_slots
-
         path = step.accepted.get(tree.row)
         if path is None:
             raise RuntimeError(
@@ -263,11 +268,34 @@ class TreeState:
         if a and not torch.equal(nodes, torch.arange(a)):
             self.stats.compacted += 1
             for gid, caches in layers.items():
-                src = tree.slots[gid][1 + nodes]
-                dst = tree.slots[gid][1: 1 + a]
+                slots = tree.slots[gid]
+                src = slots[1 + _to_device(nodes, slots)]
+                dst = slots[1: 1 + a]
                 for kv in caches:
-                    cpu_attn_copy_slots(kv, src, dst)
+                    _copy_slots(kv)(kv, src, dst)
         return nodes
+
+
+def _copy_slots(kv: torch.Tensor) -> Any:
+    """The K/V move of one layer's cache: the CPU attention's layout on CPU, vLLM's
+    Triton backend's on CUDA (the backend a CUDA tree config runs on)."""
+    if kv.device.type == "cpu":
+        from vllm_specx.cpu_ops.attention import cpu_attn_copy_slots
+
+        return cpu_attn_copy_slots
+    from vllm_specx.glue.cuda_tree_attention import copy_slots
+
+    return copy_slots
+
+
+def _to_device(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``values`` (a host tensor) as ``like``'s device and dtype; onto a GPU from pinned
+    memory without blocking the host (the caching host allocator keeps the pinned block
+    until the copy ran)."""
+    values = values.to(like.dtype)
+    if like.device.type != "cuda":
+        return values.to(like.device)
+    return values.pin_memory().to(like.device, non_blocking=True)
 
 
 def _uses_structured_output(runner: Any, req_id: str) -> bool:
