@@ -243,10 +243,12 @@ def translate(
     vllm_config: dict[str, Any] = {"method": spec.vllm_method}
     if model is not None:
         vllm_config["model"] = model
-    if num_tokens is not None:
+    budget = tree_max_nodes(settings)
+    if num_tokens is not None or budget is not None:
         # A draft tree is scheduled as its nodes: vLLM's K is the tree's node budget (the
-        # specx settings keep the drafter's own K, e.g. mtad's beam depth).
-        vllm_config["num_speculative_tokens"] = tree_max_nodes(settings) or num_tokens
+        # specx settings keep the drafter's own K, e.g. mtad's beam depth; specx_mtp's
+        # unset K, read by vLLM from the MTP config, does not size a tree).
+        vllm_config["num_speculative_tokens"] = budget or num_tokens
     for key in sorted(PASSTHROUGH_VLLM_KEYS & config.keys()):
         vllm_config[key] = config[key]
     vllm_config.update(vllm_knobs)

@@ -354,9 +354,10 @@ DEFAULT_TREE = {"max_nodes": 16, "max_depth": 5, "branching": 4}  # draft_tree.D
 SAMPLED_CHILDREN_KEY = "sampled_children"
 
 
-# EAGLE heads (specx_eagle, specx_eagle3) draft trees with the head's own top-k: a dynamic
-# EAGLE-2 tree or a static tree of child-rank paths (glue/eagle_tree_proposer.py).
-HEAD_TREE_METHODS: tuple[str, ...] = ("specx_eagle", "specx_eagle3")
+# EAGLE heads (specx_eagle, specx_eagle3) and the target's MTP layer (specx_mtp) draft
+# trees with the draft's own top-k: a dynamic EAGLE-2 tree or a static tree of child-rank
+# paths, by one round over vLLM's EagleProposer (glue/eagle_tree_proposer.py).
+HEAD_TREE_METHODS: tuple[str, ...] = ("specx_eagle", "specx_eagle3", "specx_mtp")
 HEAD_DRAFT_TREE = Knob(
     "draft_tree", "tree", False,
     'false, true, {"max_nodes": N, "max_depth": D, "branching": K} (N 1-64, D 1-16, K 1-N, '
@@ -366,6 +367,25 @@ HEAD_DRAFT_TREE = Knob(
     "the `branching` likeliest nodes, one head pass per depth, the best `max_nodes` nodes "
     "by joint draft probability kept) or a static tree of child-rank paths (vLLM's old "
     "speculative_token_tree format); not with adaptive; true = 16 / 5 / 4",
+)
+
+# specx_mtp's tree: the same round and shapes, drafted by the MTP layer (reused at every
+# depth, as vLLM's EagleProposer reuses it for K > 1).
+MTP_DRAFT_TREE = replace(
+    HEAD_DRAFT_TREE,
+    help="draft a tree with the MTP layer instead of a chain, verified losslessly in one "
+    "target pass (CPU, V1 runner; the target's attention must take the tree mask: an MLA "
+    "target runs as plain attention with VLLM_MLA_DISABLE=1): a dynamic EAGLE-2 tree (per "
+    "depth the top `branching` children of the `branching` likeliest nodes, one MTP pass per "
+    "depth, the best `max_nodes` nodes by joint draft probability kept) or a static tree of "
+    "child-rank paths (vLLM's old speculative_token_tree format); not with adaptive; true = "
+    "16 / 5 / 4",
+)
+# specx_mtp's tree on Model Runner V2: not built (the V2 MTP speculator drafts chains).
+MTP_TREE_NEEDS_V1 = V1OnlySetting(
+    "draft_tree", True,
+    "specx_mtp's tree is drafted by the V1 drafter (glue/eagle_tree_proposer.py over "
+    "glue/mtp_proposer.py); its Model Runner V2 speculator drafts chains only",
 )
 
 HEAD_TREE_NEEDS_V1 = V1OnlySetting(
@@ -380,7 +400,8 @@ V2_HEAD_TREE: tuple[V1OnlySetting, ...] = ()
 
 
 def head_tree(settings: Mapping[str, Any]) -> dict[str, Any] | None:
-    """An EAGLE head's tree (``specx_eagle`` / ``specx_eagle3`` with ``draft_tree``):
+    """An EAGLE head's or MTP layer's tree (``specx_eagle`` / ``specx_eagle3`` /
+    ``specx_mtp`` with ``draft_tree``):
     ``{"paths": [...]}`` for a static tree, else the dynamic shape (max_nodes, max_depth,
     branching; defaults as ``adaptive``'s); None without one."""
     tree = settings.get("draft_tree")
@@ -729,10 +750,13 @@ METHODS: dict[str, MethodSpec] = {
                 MTP_ADAPTIVE,
                 *(_requires_adaptive(k) for k in (
                     MIN_SPECULATIVE_TOKENS, STOP_THRESHOLD, ACCEPTANCE_HEAD,
-                    MTP_CONFIDENCE_THRESHOLD, COST_CONTROL,
+                    MTP_CONFIDENCE_THRESHOLD,
                 )),
+                # Prunes a dynamic draft_tree's nodes too, as on the EAGLE heads.
+                _requires_adaptive(COST_CONTROL, or_with="draft_tree"),
+                MTP_DRAFT_TREE,
             ),
-            checks=(min_tokens_within_k, acceptance_head_fits_draft),
+            checks=(min_tokens_within_k, acceptance_head_fits_draft, head_tree_fits),
             proposer=named("vllm_specx.glue.mtp_proposer:MtpProposer"),
             available=True,
             ragged_drafts=True,  # the adaptive stop drafts per-request lengths
@@ -747,13 +771,14 @@ METHODS: dict[str, MethodSpec] = {
                     "drafter loop",
                 ),
             ),
-            engine_checks=(named("vllm_specx.glue.patches:require_mtp_layers"),),
+            engine_checks=(named("vllm_specx.glue.patches:require_mtp_layers"),
+                           named("vllm_specx.glue.mtp_proposer:require_tree_target")),
             vllm_alias="mtp",
             # As the EAGLE heads: vLLM's own V2 MTP speculator at a fixed K, the chain
             # round over it with adaptive: true (glue/v2_eagle.py).
             runs_on_v2=True,
             v2_speculator=named("vllm_specx.glue.v2_eagle:MtpChainV2Speculator"),
-            v1_only_settings=V2_ADAPTIVE_STOP,
+            v1_only_settings=(*V2_ADAPTIVE_STOP, MTP_TREE_NEEDS_V1),
             v2_cudagraph="captured",
         ),
         _eagle_head_spec("specx_eagle", "eagle", "an EAGLE head (one decoder layer)",

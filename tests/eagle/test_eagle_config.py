@@ -144,10 +144,7 @@ def test_head_tree_refused_with_adaptive_and_off_cpu():
     with pytest.raises(SpecxConfigError, match="not on cuda yet") as err:
         _translate({"method": "eagle3", "model": "head", "draft_tree": True}, device="cuda")
     assert "\n" not in str(err.value)
-    # specx_mtp drafts no tree yet: refused as a knob of the head methods.
-    with pytest.raises(SpecxConfigError, match="specx_mtp.*belongs to specx method") as err:
-        _translate({"method": "specx_mtp", "draft_tree": True})
-    assert "\n" not in str(err.value)
+    # specx_mtp's tree knob: tests/mtp/test_mtp_config.py.
 
 
 def test_head_tree_on_model_runner_v2_is_accepted(target, eagle3_head, monkeypatch):

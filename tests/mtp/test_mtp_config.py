@@ -87,3 +87,79 @@ def test_acceptance_head_must_fit_the_mtp_hidden_state(mtp_target, tmp_path):
     assert 'speculative_config["acceptance_head"]' in message and wrong in message
     assert f"a head for hidden size {hidden} (the MTP layer's)" in message
     assert f"expects hidden size {hidden + 8}" in message
+
+
+# -- draft trees (issue 37): the MTP layer drafts the EAGLE heads' trees ------------------
+def _translate(config: dict, device: str = "cpu"):
+    from vllm_specx.backends import select_backend
+    from vllm_specx.config import translate
+    from vllm_specx.glue.patches import vllm_method_names, vllm_speculative_fields
+
+    return translate(config, vllm_methods=vllm_method_names(),
+                     vllm_fields=vllm_speculative_fields(),
+                     limits=select_backend().limits, device=device)
+
+
+@pytest.mark.parametrize("method", ["mtp", "specx_mtp"])
+def test_mtp_with_draft_tree_is_specx_mtp_scheduled_as_its_node_budget(method):
+    """vLLM's mtp + draft_tree is specx_mtp (the knob-only rule); with no K given (vLLM
+    would read 1 from the MTP config) vLLM's num_speculative_tokens is the tree's budget."""
+    dynamic = _translate({"method": method, "draft_tree": True})
+    assert dynamic.specx_settings["method"] == "specx_mtp"
+    assert dynamic.specx_settings["cost_control"] is False  # trees: off unless given
+    assert dynamic.vllm_speculative_config == {"method": "mtp", "num_speculative_tokens": 17}
+    small = _translate({"method": method, "num_speculative_tokens": 2,
+                        "draft_tree": {"max_nodes": 8, "max_depth": 4, "branching": 2}})
+    assert small.vllm_speculative_config["num_speculative_tokens"] == 8
+    static = _translate({"method": method, "draft_tree": {"paths": [[0], [1], [0, 0]]}})
+    assert static.vllm_speculative_config["num_speculative_tokens"] == 3
+    pruned = _translate({"method": method, "draft_tree": True, "cost_control": True})
+    assert pruned.specx_settings["cost_control"] is True
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"draft_tree": {"max_nodes": 0}}, r'draft_tree\["max_nodes"\] = 0 is not allowed'),
+    ({"draft_tree": {"paths": [[0], [0, 0, 1]]}}, r"has the path \[0, 0, 1\] but not its"),
+    ({"draft_tree": "wide"}, r"'specx_mtp': false, true, "),
+    ({"draft_tree": True, "adaptive": True}, r'not with "adaptive": true'),
+])
+def test_bad_mtp_tree_knobs_are_refused_in_one_line(config, message):
+    with pytest.raises(SpecxConfigError, match=message) as err:
+        _translate({"method": "mtp", **config})
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith('speculative_config["draft_tree"]')
+
+
+def test_mtp_tree_refused_on_model_runner_v2(mtp_target, monkeypatch):
+    from vllm_specx.methods import METHODS
+
+    # V2 drafts specx_mtp's chains only: a tree keeps the method on V1, and forcing V2 is
+    # refused in one line naming the runner and draft_tree.
+    assert "chains only" in METHODS["specx_mtp"].v1_only_reason({"draft_tree": {}})
+    assert METHODS["specx_mtp"].v1_only_reason({"draft_tree": False}) is None
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner only .draft_tree") as err:
+        engine_config(mtp_target, {"method": "mtp", "draft_tree": True})
+    assert "\n" not in str(err.value)
+
+
+def test_mtp_tree_needs_a_target_attention_that_takes_the_mask(mtp_target, monkeypatch):
+    """The MTP fixture is DeepSeek-V3 with MLA: vLLM's CPU_MLA attention takes no tree
+    mask, so the tree is refused before start in one line; as plain attention
+    (VLLM_MLA_DISABLE=1, what tests/mtp/test_mtp_engine_plain_attention.py runs) it is
+    configured with vLLM's K = the tree's node budget and synchronous scheduling."""
+    tree = {"max_nodes": 8, "max_depth": 4, "branching": 2}
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    with pytest.raises(SpecxConfigError) as err:
+        engine_config(mtp_target, {"method": "mtp", "draft_tree": tree})
+    message = str(err.value)
+    assert "\n" not in message and message.startswith('speculative_config["draft_tree"]')
+    assert "MLA" in message and "VLLM_MLA_DISABLE=1" in message
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    cfg = engine_config(mtp_target, {"method": "mtp", "draft_tree": tree})
+    assert cfg.model_config.use_mla is False
+    assert cfg.speculative_config.method == "mtp"
+    assert cfg.speculative_config.num_speculative_tokens == 8
+    assert cfg.additional_config[SPECX_CONFIG_KEY]["draft_tree"] == tree
+    assert cfg.scheduler_config.async_scheduling is False
