@@ -38,7 +38,8 @@ def path_rows(parents: list[int], node: int) -> list[int]:
     return [0, *reversed(rows)]
 
 
-def _attend(reqs: list[dict], num_heads: int, num_kv_heads: int, masks=None) -> torch.Tensor:
+def _attend(reqs: list[dict], num_heads: int, num_kv_heads: int, masks=None,
+            head: int = HEAD) -> torch.Tensor:
     """One paged attention call over ``reqs`` (each: q [q_len, H, D], k/v [seq, Hkv, D],
     the last q_len keys being its query rows'); returns the output rows."""
     from vllm import _custom_ops as ops
@@ -51,8 +52,8 @@ def _attend(reqs: list[dict], num_heads: int, num_kv_heads: int, masks=None) -> 
     num_blocks = sum(n_blk) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     block_table = torch.full((len(reqs), max(n_blk) + 1), perm.pop(), dtype=torch.int32)
-    kv_cache = torch.full((num_blocks, num_kv_heads, BLOCK, 2 * HEAD), float("nan"))
-    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * BLOCK, HEAD).chunk(
+    kv_cache = torch.full((num_blocks, num_kv_heads, BLOCK, 2 * head), float("nan"))
+    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * BLOCK, head).chunk(
         2, dim=2)
     slots = []
     for r, s in enumerate(seq_lens):
@@ -66,14 +67,14 @@ def _attend(reqs: list[dict], num_heads: int, num_kv_heads: int, masks=None) -> 
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     sl_t = torch.tensor(seq_lens, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        len(reqs), num_heads, num_kv_heads, HEAD, sl_t, torch.float32, qsl, True, -1, "vec",
+        len(reqs), num_heads, num_kv_heads, head, sl_t, torch.float32, qsl, True, -1, "vec",
         False, None)
     query = torch.cat([r["q"] for r in reqs])
-    output = torch.full((query.shape[0], num_heads * HEAD), float("nan"))
+    output = torch.full((query.shape[0], num_heads * head), float("nan"))
     with query_masks(masks):
         ops.cpu_attention_with_kv_cache(
-            query, key_cache, value_cache, output.view(-1, num_heads, HEAD), qsl, sl_t,
-            HEAD**-0.5, True, None, -1, block_table, 0.0, metadata, None, None)
+            query, key_cache, value_cache, output.view(-1, num_heads, head), qsl, sl_t,
+            head**-0.5, True, None, -1, block_table, 0.0, metadata, None, None)
     return output
 
 
@@ -254,3 +255,73 @@ def test_tree_rows_are_bitwise_plain_decoding(layout, dtype):
         decoded = _attend([single], num_heads, num_kv_heads)[0]
         assert torch.equal(out[start[r] + row], decoded), (r, row)
 
+
+
+def _subject(kind: str, ctx: int, rand, num_heads: int, num_kv_heads: int, head: int):
+    """One request's step of ``kind`` over ``ctx`` cached keys: the request, its tree mask
+    (or None) and per query row its lone one-token decode (the chain of keys it sees)."""
+    q_len = {"decode": 1, "chain": 4, "tree": len(TREES[0]) + 1, "prefill": 16,
+             "long_prefill": 40}[kind]
+    req = dict(q=rand(q_len, num_heads, head), k=rand(ctx + q_len, num_kv_heads, head),
+               v=rand(ctx + q_len, num_kv_heads, head))
+    mask = ancestor_mask(TREES[0]) if kind == "tree" else None
+    lone = []
+    for row in range(q_len):
+        seen = (torch.nonzero(mask[row]).flatten().tolist() if mask is not None
+                else list(range(row + 1)))
+        keep = list(range(ctx)) + [ctx + i for i in seen]
+        lone.append(dict(q=req["q"][row:row + 1], k=req["k"][keep], v=req["v"][keep]))
+    return req, mask, lone
+
+
+@pytest.mark.usefixtures("reference_ops", "one_torch_thread")  # as engines run
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_are_batch_invariant(dtype):
+    """Issue 37, batch > 1: a request's decode, chain-verification, tree and (short)
+    prefill rows give the same bits alone and inside batches of other requests of other
+    lengths (short, past one 256-key tile, past 512 keys; decodes, chains, trees and a
+    long prefill chunk), and each row is bit for bit the lone one-token decode at its
+    position, under AVX-512/AMX kernels and AVX2 ones alike. Before the fix a
+    batch's plain rows came from one product padded to its longest request and differed
+    in the last bit (greedy trees then differed from no speculation at batch 8)."""
+    from vllm_specx.cpu_ops.attention import QueryMasks
+
+    num_heads, num_kv_heads, head = 9, 3, 64  # the real pair's attention shapes
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    others = [_subject(kind, ctx, rand, num_heads, num_kv_heads, head)[:2] for kind, ctx in
+              [("decode", 9), ("decode", 700), ("chain", 300), ("tree", 530),
+               ("long_prefill", 0), ("chain", 20)]]
+    mixes = [[], others[:2], others[2:4], others]  # alone, decodes, chain + tree, all
+    seen_differ = False
+    for kind, ctx in [("decode", 37), ("chain", 260), ("tree", 600), ("prefill", 250)]:
+        req, mask, lone = _subject(kind, ctx, rand, num_heads, num_kv_heads, head)
+        want = torch.cat([_attend([x], num_heads, num_kv_heads, head=head) for x in lone])
+        for mix in mixes:
+            batch = [*mix[:len(mix) // 2], (req, mask), *mix[len(mix) // 2:]]
+            at = len(mix) // 2
+            q_lens = [r["q"].shape[0] for r, _ in batch]
+            trees = {i: m for i, (_, m) in enumerate(batch) if m is not None}
+            masks = QueryMasks.causal_except(q_lens, trees) if trees else None
+            out = _attend([r for r, _ in batch], num_heads, num_kv_heads, masks, head=head)
+            first = sum(q_lens[:at])
+            got = out[first:first + q_lens[at]]
+            assert torch.equal(got, want), (kind, ctx, len(mix), (got != want).nonzero()[:3])
+            # A float64 recomputation differs somewhere: the test compares real roundings.
+            seen_differ |= not torch.equal(got, _attend_float64(lone, num_heads, head))
+    assert seen_differ
+
+
+def _attend_float64(lone: list[dict], num_heads: int, head: int) -> torch.Tensor:
+    """The lone decodes in float64, rounded to float32 (the slow obviously-correct way)."""
+    rows = []
+    for x in lone:
+        q, k, v = (x[n].double() for n in ("q", "k", "v"))
+        k = k.repeat_interleave(num_heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(num_heads // v.shape[1], dim=1)
+        w = torch.softmax(torch.einsum("hd,shd->hs", q[0], k) * head**-0.5, dim=-1)
+        rows.append(torch.einsum("hs,shd->hd", w, v).reshape(1, -1))
+    return torch.cat(rows).float()

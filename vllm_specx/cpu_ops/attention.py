@@ -36,6 +36,15 @@ import torch
 # on how many rows share the call -- and greedy speculative decoding, which verifies K + 1
 # rows where plain decoding runs one, would drift from plain decoding in bfloat16.
 MIN_MATMUL_ROWS = 4
+# Batch-invariant attention (see _attend_rows_alone): keys in tiles of KEY_TILE, products
+# of at most MAX_UNIT_M rows (a unit's query rows x a kv head's query heads), and at most
+# MAX_CALL_TILES key tiles gathered per batched call (memory: long prefills are split).
+KEY_TILE = 256
+MAX_UNIT_M = 64
+# Requests of at most this many query rows (decoding, chain verification, short prefill
+# chunks) get every row computed alone, as a one-token decode (see _plan_rows).
+ROWS_ALONE = 16
+MAX_CALL_TILES = 128
 
 # ISA hints vLLM's CPU backend may pass; the reference computes the same thing for all.
 KNOWN_ISA_HINTS = frozenset({"amx", "amx_fp8", "vec", "vec16", "neon", "vxe", "rvv", "vsx"})
@@ -75,59 +84,16 @@ class QueryMasks:
         return cls(torch.tensor(q_lens, dtype=torch.int64), allowed)
 
     @cached_property
-    def tree_rows(self) -> dict[int, _TreeRows]:
-        """Per request whose mask is not the causal one, its rows' plan for
-        :func:`_tree_rows_as_decoding`. Built once per forward (every layer's call reads
-        it), not once per layer."""
-        out: dict[int, _TreeRows] = {}
+    def tree_rows(self) -> dict[int, list[torch.Tensor]]:
+        """Per request whose mask is not the causal one, per query row the query rows it
+        sees (ascending: for a BFS tree, the root, its ancestors and itself -- the chain
+        ending at that node). Built once per forward, not once per layer."""
+        out: dict[int, list[torch.Tensor]] = {}
         for r, q in enumerate(self.q_lens.tolist()):
             mask = self.allowed[r, :q, :q]
             if not torch.equal(mask, torch.ones(q, q, dtype=torch.bool).tril()):
-                out[r] = _TreeRows.of(mask)
+                out[r] = [torch.nonzero(row).flatten() for row in mask]
         return out
-
-
-@dataclass
-class _TreeRows:
-    """A tree request's query rows grouped by how many query rows each sees (its depth
-    + 1): ``order`` [n] the rows, group after group; ``groups`` ``(start, end, c)``
-    slices of ``order``; ``seen`` per group ``[end - start, c]`` the query rows each
-    row sees, in slot order. The key slots per context length are cached (one forward
-    calls every layer with the same context)."""
-
-    order: torch.Tensor
-    in_order: bool  # order is 0..n-1 (BFS trees): rows are written back as one slice
-    groups: list[tuple[int, int, int]]
-    seen: list[torch.Tensor]
-    _slots: dict[tuple[int, int], torch.Tensor]
-
-    @classmethod
-    def of(cls, mask: torch.Tensor) -> _TreeRows:
-        counts = mask.sum(dim=1)
-        order = torch.argsort(counts, stable=True)
-        groups, seen, start = [], [], 0
-        for c in torch.unique(counts).tolist():
-            rows = order[start:start + int((counts == c).sum())]
-            # nonzero walks row-major: each row's c seen rows, ascending.
-            seen.append(torch.nonzero(mask[rows])[:, 1].view(rows.shape[0], c))
-            groups.append((start, start + rows.shape[0], c))
-            start += rows.shape[0]
-        in_order = torch.equal(order, torch.arange(order.shape[0]))
-        return cls(order, in_order, groups, seen, {})
-
-    def key_slots(self, s: int, ctx: int, num_kv_heads: int) -> torch.Tensor:
-        """Every row's keys in its chain's order (context, then the query rows it sees),
-        as rows of the request's ``[kv_heads * s, head]`` keys, group after group, each
-        group ``[kv_heads, rows, L]`` (contiguous per group: its products need no copy)."""
-        got = self._slots.get((s, num_kv_heads))
-        if got is None:
-            heads = s * torch.arange(num_kv_heads)[:, None]
-            got = torch.cat([
-                (torch.cat((torch.arange(ctx).expand(seen.shape[0], ctx), ctx + seen),
-                           dim=1).flatten()[None, :] + heads).flatten()
-                for seen in self.seen])
-            self._slots[(s, num_kv_heads)] = got
-        return got
 
 
 # The masks of the forward pass running now (None: every request causal). Set only
@@ -313,23 +279,13 @@ def cpu_attention_with_kv_cache(
         # would cut the wrong keys (tree configs are refused for such targets first).
         raise NotImplementedError("vllm-specx: tree query masks with a sliding window")
     plain = alibi_slopes is None and softcap <= 0 and s_aux is None
-    tree_rows = masks.tree_rows if masks is not None and plain else {}
-    if batch.num_reqs == 1 and plain and (window == 0 or window >= batch.max_s):
-        if tree_rows:
-            _tree_rows_as_decoding(query, key_cache, value_cache, out, batch, scale,
-                                   block_table, 0, tree_rows[0])
-        else:
-            _attend_one_request(query, key_cache, value_cache, out, batch, scale,
-                                block_table)
+    if plain and (window == 0 or window >= batch.max_s):
+        # Every row -- decode, chain verification, tree node, prefill -- computed alone.
+        _attend_rows_alone(query, key_cache, value_cache, out, batch, scale, block_table,
+                           masks)
         return
-    if len(tree_rows) < batch.num_reqs:  # (every request a tree: nothing else to attend)
-        _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
-                       window, softcap, alibi_slopes, s_aux, masks)
-    # A tree request's rows again, each computed as plain decoding computes it (see
-    # _tree_rows_as_decoding); the padded pass's rows for it are within 1e-5 of these.
-    for r, plan in tree_rows.items():
-        _tree_rows_as_decoding(query, key_cache, value_cache, out, batch, scale,
-                               block_table, r, plan)
+    _attend_padded(query, key_cache, value_cache, out, batch, scale, block_table,
+                   window, softcap, alibi_slopes, s_aux, masks)
 
 
 class _Batch:
@@ -353,7 +309,101 @@ class _Batch:
         return cls(qsl, qsl[1:] - qsl[:-1], seq_lens[:num_reqs].to(torch.int64), req_causal)
 
 
-def _attend_one_request(
+@dataclass
+class _RowsPlan:
+    """Where one call's query rows and their keys come from, as units of
+    :func:`_attend_units` (see :func:`_attend_rows_alone`). Per call ``(tok, lims,
+    blk, off)``: ``tok`` [U, R] the query token of each unit row (-1: none), ``lims``
+    [U, R] how many of the unit's keys that row sees (a prefix; >= 1), ``blk`` / ``off``
+    [U, P] the cache block and offset of each of the unit's keys in order (``blk`` -1:
+    padding, a zero key), ``P`` a multiple of KEY_TILE."""
+
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _plan_rows(batch: _Batch, block_table: torch.Tensor, block_size: int, group: int,
+               masks: QueryMasks | None) -> _RowsPlan:
+    """Split the call's rows into units. A unit of one row is computed exactly as a lone
+    one-token decode computes it: every decode row, every row of a request of at most
+    ROWS_ALONE rows (a chain's verification rows, a short prefill chunk) and every tree
+    row (its own keys: the context, then the query rows its mask lets it see, in slot
+    order -- exactly the keys of the chain ending there). A longer prefill chunk's rows go
+    in units of up to ``MAX_UNIT_M // group`` consecutive rows sharing the request's keys
+    (one row per unit would copy the keys once per row)."""
+    wide = max(1, MAX_UNIT_M // group)
+    units: list[tuple[list[int], list[int], torch.Tensor]] = []  # tokens, lims, slots
+    trees = masks.tree_rows if masks is not None else {}
+    qsl, q_lens, s_lens = batch.qsl.tolist(), batch.q_lens.tolist(), batch.s_lens.tolist()
+    causal = batch.req_causal.tolist()
+    for r in range(batch.num_reqs):
+        n, s, first = q_lens[r], s_lens[r], qsl[r]
+        if n == 0 or s == 0:
+            continue
+        n_blk = (s + block_size - 1) // block_size
+        blocks = block_table[r, :n_blk].to(torch.int64)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:s]
+        ctx = s - n
+        seen_rows = trees.get(r)
+        if seen_rows is not None:
+            for i, seen in enumerate(seen_rows):
+                units.append(([first + i], [ctx + seen.shape[0]],
+                              torch.cat((slots[:ctx], slots[ctx + seen]))))
+            continue
+        step = 1 if n <= ROWS_ALONE else wide
+        for a in range(0, n, step):
+            rows = list(range(a, min(a + step, n)))
+            lims = [ctx + i + 1 for i in rows] if causal[r] else [s] * len(rows)
+            units.append(([first + i for i in rows], lims, slots[:max(lims)]))
+    # Units of one width, sorted by key tiles, batched into calls of at most
+    # MAX_CALL_TILES tiles (a call pads its units' keys to its longest: no bit changes).
+    units.sort(key=lambda u: (len(u[0]), u[2].shape[0]))
+    calls, at = [], 0
+    while at < len(units):
+        width = len(units[at][0])
+        tiles = -(-units[at][2].shape[0] // KEY_TILE)
+        end = at + 1
+        while end < len(units) and len(units[end][0]) == width:
+            t = -(-units[end][2].shape[0] // KEY_TILE)
+            if (end + 1 - at) * t > MAX_CALL_TILES:
+                break
+            tiles, end = t, end + 1
+        part, keys = units[at:end], tiles * KEY_TILE
+        tok = torch.full((len(part), width), -1, dtype=torch.int64)
+        lims = torch.ones(len(part), width, dtype=torch.int64)
+        slot = torch.full((len(part), keys), -1, dtype=torch.int64)
+        for u, (toks, lim, sl) in enumerate(part):
+            tok[u, :len(toks)] = torch.tensor(toks)
+            lims[u, :len(lim)] = torch.tensor(lim)
+            slot[u, :sl.shape[0]] = sl
+        blk = torch.where(slot >= 0, slot // block_size, -1)
+        calls.append((tok, lims, blk, slot.clamp(min=0) % block_size))
+        at = end
+    return _RowsPlan(calls)
+
+
+# The last plan and what it was made from: every layer of a forward calls the op with the
+# same batch, so the plan is made once per forward (checked by content, not identity).
+_PLAN_CACHE: list = []
+
+
+def _rows_plan(batch: _Batch, block_table: torch.Tensor, block_size: int, group: int,
+               masks: QueryMasks | None) -> _RowsPlan:
+    n_blk = (batch.max_s + block_size - 1) // block_size
+    table = block_table[:batch.num_reqs, :n_blk]
+    if _PLAN_CACHE:
+        (qsl, s_lens, causal, tab, bs, grp, m), plan = _PLAN_CACHE
+        if (m is masks and bs == block_size and grp == group and tab.shape == table.shape
+                and qsl.shape == batch.qsl.shape and torch.equal(qsl, batch.qsl)
+                and torch.equal(s_lens, batch.s_lens)
+                and torch.equal(causal, batch.req_causal) and torch.equal(tab, table)):
+            return plan
+    plan = _plan_rows(batch, block_table, block_size, group, masks)
+    _PLAN_CACHE[:] = [(batch.qsl.clone(), batch.s_lens.clone(), batch.req_causal.clone(),
+                       table.clone(), block_size, group, masks), plan]
+    return plan
+
+
+def _attend_rows_alone(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -361,110 +411,105 @@ def _attend_one_request(
     batch: _Batch,
     scale: float,
     block_table: torch.Tensor,
+    masks: QueryMasks | None,
 ) -> None:
-    """One request without ALiBi, softcap, sinks or a window that cuts its keys: the
-    common decoding/verification step at batch 1, in a few ops (no padding, no per-row
-    masks beyond the causal one). Same maths as :func:`_attend_padded`."""
+    """Batch-invariant attention (no ALiBi, softcap, sinks or key-cutting window): a
+    decode, chain-verification or tree row's bits depend only on its query and the keys
+    it sees, in their order -- not on the other requests of the batch, on how many query
+    rows its own request has, or on the longest request: each is bit for bit the lone
+    one-token decode at its position (so is a row of a prefill chunk of at most
+    ROWS_ALONE rows; longer chunks, see below).
+
+    Why this takes care: CPU matrix kernels (MKL, oneDNN) choose their summation order
+    from a product's shape, so one product over keys padded to the batch's longest
+    request (or masked siblings' zero weights between a tree node's ancestors) changes
+    the last bit of ``probs @ V``, and a last-bit change flips near-ties of a greedy
+    argmax: speculation (and any batching) would stop being exactly lossless. Probed on
+    this project's hosts (one torch thread, as engines run): AVX-512/AMX kernels give a
+    row the same bits whatever the row count of its product (from 4 rows) but not
+    whatever its key count; AVX2 kernels (MKL) also compute rows differently by their
+    position in the product (a remainder of 1-3 rows past a 6-row block, or more than
+    8 columns, takes another path). The batch count of a batched product changes no
+    element's bits on either. So:
+
+    * every product has a shape fixed by the unit alone: ``[M, D] @ [D, KEY_TILE]``
+      and ``[M, KEY_TILE] @ [KEY_TILE, D]`` batched over (unit, kv head, key tile),
+      ``M`` = the unit's rows x the kv head's query heads, zero rows up to at least
+      MIN_MATMUL_ROWS; a one-row unit's query heads sit in the same rows as in a lone
+      decode, so its bits are the lone decode's on any kernel;
+    * keys are cut into tiles of KEY_TILE, each row's keys in its own chain's order from
+      index 0 (a tree node's: context, then its ancestors and itself), zero past them;
+    * the softmax runs over the unit's tiles with the keys a row does not see at -inf
+      (trailing: the vectorised max and sum add only zeros for them, from 16 keys on);
+    * the tiles' partial ``probs @ V`` are summed in tile order by ``cumsum`` (sequential,
+      and a trailing all-zero tile adds exactly zero).
+
+    Prefill chunks of more than ROWS_ALONE rows go in units of up to ``MAX_UNIT_M //
+    group`` rows: still independent of the other requests and of the batch's longest
+    request; on AVX-512/AMX kernels bit for bit the lone decode too, on AVX2 ones they
+    can depend on how the prompt was cut into chunks.
+
+    The units are planned once per forward (:func:`_rows_plan`)."""
     _, num_kv_heads, block_size, head_size = key_cache.shape
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
-    n, s = int(batch.q_lens[0]), batch.max_s
-    first = int(batch.qsl[0])
     cdt = _compute_dtype(query.dtype)
-    rows = max(n, MIN_MATMUL_ROWS)
-    # [n, kv_heads, group, head] -> [kv_heads, group, rows, head], zero rows past n
-    q = query[first:first + n].view(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-    q = q.to(cdt)
-    if rows > n:
-        q = torch.cat((q, q.new_zeros(num_kv_heads, group, rows - n, head_size)), dim=2)
-    n_blk = (s + block_size - 1) // block_size
-    blocks = block_table[:1, :n_blk].to(torch.int64)
+    plan = _rows_plan(batch, block_table, block_size, group, masks)
+    for tok, lims, blk, off in plan.calls:
+        rows = _attend_units(query, key_cache, value_cache, tok, lims, blk, off, scale,
+                             num_kv_heads, cdt)
+        valid = tok >= 0
+        if bool(valid.all()):
+            out[tok.flatten()] = rows.reshape(-1, num_heads, head_size).to(out.dtype)
+        else:
+            out[tok[valid]] = rows[valid].to(out.dtype)
+
+
+def _attend_units(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    tok: torch.Tensor, lims: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+    scale: float, num_kv_heads: int, cdt: torch.dtype,
+) -> torch.Tensor:
+    """One batched call over units (see :func:`_attend_rows_alone`): returns ``[U, R,
+    heads, head]``, the attention of each unit row (rows of ``tok`` -1 are garbage)."""
+    num, width = tok.shape
+    _, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
+    keys = blk.shape[1]
+    tiles = keys // KEY_TILE
+    # [U, R, heads, D] -> [U, kv, R * group, D], zero rows up to MIN_MATMUL_ROWS
+    q = query[tok.clamp(min=0)].to(cdt)
+    q = q.view(num, width, num_kv_heads, group, head_size).transpose(1, 2)
+    q = q.reshape(num, num_kv_heads, width * group, head_size)
+    m = max(width * group, MIN_MATMUL_ROWS)
+    if m > width * group:
+        q = torch.cat((q, q.new_zeros(num, num_kv_heads, m - width * group, head_size)),
+                      dim=2)
+    pad = blk < 0
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        # [1, kv_heads, s, head] -> [kv_heads, 1, s, head]
-        return _gather_blocks(cache, blocks, s, cdt).transpose(0, 1)
+        # [U, P, kv, D] (advanced indices on dims 0 and 2 go first) -> [U, kv, tiles, T, D]
+        g = cache[blk.clamp(min=0), :, off].to(cdt)
+        if bool(pad.any()):
+            # a padding key's slot holds whatever another request left (maybe NaN)
+            g = g.masked_fill(pad[:, :, None, None], 0.0)
+        return g.view(num, tiles, KEY_TILE, num_kv_heads, head_size).permute(0, 3, 1, 2, 4)
 
-    scores = torch.matmul(q, gather(key_cache).transpose(-1, -2)) * scale
-    if n > 1 and bool(batch.req_causal[0]):
-        # Query row i sits at position s - n + i and sees keys 0..s - n + i (padding
-        # rows see all: they are dropped below).
-        allowed = torch.ones(rows, s, dtype=torch.bool).tril(diagonal=s - n)
-        allowed[n:] = True
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    ctx = torch.matmul(probs, gather(value_cache))[:, :, :n]
-    out[first:first + n] = ctx.permute(2, 0, 1, 3).reshape(n, num_heads, head_size).to(out.dtype)
-
-
-def _tree_rows_as_decoding(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    out: torch.Tensor,
-    batch: _Batch,
-    scale: float,
-    block_table: torch.Tensor,
-    r: int,
-    plan: _TreeRows,
-) -> None:
-    """Request ``r``'s tree rows, each bit for bit what plain decoding computes at that
-    node's position (one query token over the context and the node's root-to-node path,
-    :func:`_attend_one_request` with ``n = 1``).
-
-    Why not the masked product over all the request's keys: CPU matrix kernels (MKL,
-    oneDNN) choose their summation blocking from the product's shape, so masked
-    siblings' zero weights between a node's ancestors -- or only trailing zeros past
-    them -- change the last bit of ``probs @ V`` (AVX2 kernels at any length, AVX-512
-    ones from ~500 keys), and a last-bit change flips near-ties of a greedy argmax.
-    So each node gets its own keys and values gathered in its chain's order (context,
-    then its ancestors and itself) and exactly plain decoding's shapes: ``[4, D] @ [D,
-    L]`` for the scores (the query in row 0 of MIN_MATMUL_ROWS, the rest zero), a
-    softmax over exactly its ``L`` keys, and ``[4, L] @ [L, D]`` for the values. Nodes
-    of one depth have the same ``L`` and share one batched call; the gathers of all rows'
-    keys and values are one indexing each.
-    """
-    _, num_kv_heads, block_size, head_size = key_cache.shape
-    num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
-    n, s = int(batch.q_lens[r]), int(batch.s_lens[r])
-    first, ctx = int(batch.qsl[r]), s - n
-    cdt = _compute_dtype(query.dtype)
-    n_blk = (s + block_size - 1) // block_size
-    blocks = block_table[r:r + 1, :n_blk].to(torch.int64)
-    # Every row's keys and values at once (rows of [kv_heads * s, head]): the request's
-    # keys converted once (as plain decoding gathers them), then copied row by row.
-    pos = plan.key_slots(s, ctx, num_kv_heads)
-    keys = _gather_blocks(key_cache, blocks, s, cdt)[0].reshape(-1, head_size)
-    keys = keys.index_select(0, pos)
-    values = _gather_blocks(value_cache, blocks, s, cdt)[0].reshape(-1, head_size)
-    values = values.index_select(0, pos)
-    q = query[first:first + n]
-    if not plan.in_order:
-        q = q[plan.order]
-    # [n, kv_heads, group, head] -> [kv_heads, n, m, head]: a kv head's query heads as the
-    # rows of one product, zero rows up to MIN_MATMUL_ROWS (probed: the same bits as the
-    # one-token decode's [group, MIN_MATMUL_ROWS] layout, without its broadcast copies).
-    m = max(group, MIN_MATMUL_ROWS)
-    q = q.view(n, num_kv_heads, group, head_size).transpose(0, 1).to(cdt)
-    if m > group:
-        q = torch.cat((q, q.new_zeros(num_kv_heads, n, m - group, head_size)), dim=2)
-    parts, at = [], 0
-    for start, end, c in plan.groups:
-        nd, length = end - start, ctx + c
-        size = num_kv_heads * nd * length
-        k = keys[at:at + size].view(num_kv_heads, nd, length, head_size)
-        v = values[at:at + size].view(num_kv_heads, nd, length, head_size)
-        at += size
-        probs = torch.softmax(torch.matmul(q[:, start:end], k.transpose(-1, -2)) * scale,
-                              dim=-1)
-        parts.append(torch.matmul(probs, v)[:, :, :group])  # [kv_heads, nd, group, head]
-    rows = torch.cat(parts, dim=1).permute(1, 0, 2, 3).reshape(n, num_heads, head_size)
-    if plan.in_order:
-        out[first:first + n] = rows.to(out.dtype)
-    else:
-        out[first + plan.order] = rows.to(out.dtype)
+    k, v = gather(key_cache), gather(value_cache)
+    # [U, kv, 1, M, D] @ [U, kv, tiles, D, T] -> [U, kv, tiles, M, T] -> [U, kv, M, P]
+    scores = torch.matmul(q[:, :, None], k.transpose(-1, -2)) * scale
+    scores = scores.permute(0, 1, 3, 2, 4).reshape(num, num_kv_heads, m, keys)
+    row_lims = lims.repeat_interleave(group, dim=1)
+    if m > width * group:
+        row_lims = torch.cat((row_lims, row_lims.new_ones(num, m - width * group)), dim=1)
+    hidden = torch.arange(keys)[None, None, :] >= row_lims[:, :, None]  # [U, M, P]
+    probs = torch.softmax(scores.masked_fill(hidden[:, None], float("-inf")), dim=-1)
+    probs = probs.view(num, num_kv_heads, m, tiles, KEY_TILE).transpose(2, 3)
+    parts = torch.matmul(probs, v)  # [U, kv, tiles, M, D]
+    ctx = parts[:, :, 0] if tiles == 1 else parts.cumsum(dim=2)[:, :, -1]
+    # [U, kv, R * group, D] -> [U, R, heads, D]
+    ctx = ctx[:, :, :width * group].reshape(num, num_kv_heads, width, group, head_size)
+    return ctx.transpose(1, 2).reshape(num, width, num_heads, head_size)
 
 
 def _attend_padded(
