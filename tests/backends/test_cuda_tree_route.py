@@ -106,6 +106,15 @@ def test_patched_forward_with_tree_masks_gives_the_tree_attention(
     assert not torch.allclose(slow_reference(causal), slow_reference(b), atol=1e-3)
 
 
+def test_masks_of_another_forward_are_refused(triton_attn) -> None:
+    """Masks built for other query lengths never reach a layer (as in the CPU op)."""
+    b = make_batch(7, 16, HEADS, KV_HEADS, HEAD, "HND", max_nodes=12)
+    impl, metadata, layer, query, kv, output = _layer_inputs(triton_attn, b, 0)
+    other = QueryMasks.causal_except([q + 1 for q in b["q_lens"]], {})
+    with query_masks(other), pytest.raises(RuntimeError, match="tree masks were built for"):
+        impl.forward(layer, query, query, query, kv, metadata, output=output)
+
+
 def test_patched_forward_without_masks_is_vllms_own(triton_attn, monkeypatch) -> None:
     b = make_batch(7, 16, HEADS, KV_HEADS, HEAD, "HND", max_nodes=12)
     impl, metadata, layer, query, kv, _ = _layer_inputs(triton_attn, b, 2)

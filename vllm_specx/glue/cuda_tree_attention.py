@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vllm_specx.cpu_ops.attention import active_query_masks as _active_query_masks
 from vllm_specx.glue.patch_base import VllmPatch
 
 __all__ = ["TRITON_ATTN", "TritonTreeRoute", "copy_slots", "device_tree_masks",
@@ -183,19 +184,24 @@ def tree_forward(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor,
     return output
 
 
-# The device twin of the forward's QueryMasks: (the QueryMasks object, device, TreeMasks).
-# Built on the first layer of a forward, read by every other layer of it.
-_TWIN: tuple[Any, torch.device, Any] | None = None
+# The device twin of the forward's QueryMasks: (the QueryMasks object, device, TreeMasks,
+# the query tokens the masks were built for). Built on the first layer of a forward, read
+# by every other layer of it.
+_TWIN: tuple[Any, torch.device, Any, int] | None = None
 
 
 def device_tree_masks(masks: Any, device: torch.device) -> Any:
     """The kernel's :class:`~vllm_specx.backends.triton_tree_attention.TreeMasks` on
     ``device`` for the CPU path's ``QueryMasks`` (built once per forward, not per layer;
     copied from pinned memory without a host sync on CUDA)."""
+    return _twin(masks, device)[2]
+
+
+def _twin(masks: Any, device: torch.device) -> tuple[Any, torch.device, Any, int]:
     global _TWIN
     twin = _TWIN
     if twin is not None and twin[0] is masks and twin[1] == device:
-        return twin[2]
+        return twin
     from vllm_specx.backends.triton_tree_attention import TreeMasks
 
     host = TreeMasks.from_query_masks(masks)
@@ -204,14 +210,8 @@ def device_tree_masks(masks: Any, device: torch.device) -> Any:
                           host.rows.pin_memory().to(device, non_blocking=True))
     else:
         built = TreeMasks(host.first_row.to(device), host.rows.to(device))
-    _TWIN = (masks, device, built)
-    return built
-
-
-def _active_query_masks() -> Any:
-    from vllm_specx.cpu_ops import attention
-
-    return attention.active_query_masks()
+    _TWIN = (masks, device, built, int(masks.q_lens.sum()))
+    return _TWIN
 
 
 def copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
@@ -256,7 +256,14 @@ class TritonTreeRoute(VllmPatch):
                 raise NotImplementedError("vllm-specx tree attention on CUDA: fused output "
                                           "quantisation is not in the tree kernel")
             query = a["query"]
+            _, _, tree_masks, tokens = _twin(masks, query.device)
+            if tokens != metadata.num_actual_tokens:
+                # As the CPU op: masks set for one forward must never reach another (and
+                # requests past the masks' own are then padding without query rows).
+                raise RuntimeError(
+                    f"vllm-specx: the step's tree masks were built for {tokens} query "
+                    f"tokens, but attention ran over {metadata.num_actual_tokens}")
             return tree_forward(self_, query, a["kv_cache"], metadata, a["output"],
-                                device_tree_masks(masks, query.device))
+                                tree_masks)
 
         return forward
