@@ -129,8 +129,8 @@ def prepare_cuda_tree_engine(engine_args: Any, model_config: Any, method: str,
         engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
     engine_args.enforce_eager = True
     model_config.enforce_eager = True
-    chose = ("switched from vLLM's default (FlashAttention on NVIDIA) to" if given is None
-             else "on")
+    chose = ("switched from vLLM's automatic choice (FlashAttention on NVIDIA for 16-bit "
+             "models) to" if given is None else "on")
     return (f"vllm-specx: {method} with draft_tree on CUDA: the target's attention "
             f"{chose} vLLM's {TRITON_ATTN} backend, whose layers run vllm-specx's Triton "
             "tree kernel during tree steps (glue/cuda_tree_attention.py); the engine runs "
