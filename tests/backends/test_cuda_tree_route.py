@@ -67,7 +67,8 @@ def _layer_inputs(triton_attn, b: dict, pad: int):
     one = torch.ones((), device=DEVICE)
     layer = SimpleNamespace(_q_scale=one, _k_scale=one, _v_scale=one)
     query = torch.cat([b["query"], torch.randn(pad, HEADS, HEAD)]).to(DEVICE)
-    output = torch.full((n + pad, HEADS * HEAD), float("nan"), device=DEVICE)
+    # As vLLM's Attention layer hands them: [tokens, heads, head] views.
+    output = torch.full((n + pad, HEADS, HEAD), float("nan"), device=DEVICE)
     return impl, metadata, layer, query, b["kv"].to(DEVICE), output
 
 
@@ -123,13 +124,13 @@ def test_patched_forward_without_masks_is_vllms_own(triton_attn, monkeypatch) ->
     if DEVICE == "cuda":
         outs = []
         for forward in (original, patched):
-            out = torch.zeros(query.shape[0], HEADS * HEAD, device=DEVICE)
+            out = torch.zeros(query.shape[0], HEADS, HEAD, device=DEVICE)
             outs.append(forward(impl, layer, query, query, query, kv, metadata, output=out))
         assert torch.equal(outs[0], outs[1])
         return
     seen = []
     monkeypatch.setattr(triton_attn, "unified_attention", lambda **kw: seen.append(kw))
-    out = torch.zeros(query.shape[0], HEADS * HEAD)
+    out = torch.zeros(query.shape[0], HEADS, HEAD)
     for forward in (original, patched):
         assert forward(impl, layer, query, query, query, kv, metadata, output=out) is out
     assert len(seen) == 2 and seen[0].keys() == seen[1].keys()
