@@ -9,7 +9,11 @@ Three in-process engines, all alive at once, warmed up, timed passes interleaved
   (``DraftKVHoles`` in glue/draft_passes.py; with prefix caching it still runs one first
   pass, with the catch-up, where a request's hole would reach its KV block's end);
 * ``adaptive, plans 0, pass run``: the same, with every first pass run (the behaviour
-  before the skip).
+  before the skip);
+* ``adaptive, plans 0, verify path`` (``--compare-sampler``): pass skipped, but the step
+  without drafts sampled through the rejection sampler's verification path with zero
+  drafts per row (the behaviour before the sampler's plain-sampling shortcut,
+  ``SpecxRejectionSampler.plain_sampling_without_drafts``).
 
 Greedy, ``ignore_eos``; decode steps only (steps with prefill tokens are not counted)::
 
@@ -107,6 +111,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compare-sampler", action="store_true",
+                    help="add the row whose steps without drafts take the verification path")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -133,10 +139,15 @@ def main() -> int:
     rows_cfg = [("no speculation", None, None),
                 ("adaptive, plans 0, pass skipped", spec, True),
                 ("adaptive, plans 0, pass run", spec, False)]
+    if args.compare_sampler:
+        rows_cfg.append(("adaptive, plans 0, verify path", spec, True))
     engines = []
     for name, cfg, skip in rows_cfg:
         llm = make_llm(target, speculative_config=cfg, **overrides)
         drafter = _force_zero(llm, skip) if cfg is not None else None
+        if name.endswith("verify path"):
+            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            runner.rejection_sampler.plain_sampling_without_drafts = False
         clock = _ProposeClock(drafter) if drafter is not None else None
         _run(llm, prompts, args.max_tokens)  # warm-up, not counted
         engines.append((name, llm, clock, drafter))

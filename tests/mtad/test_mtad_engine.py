@@ -243,7 +243,8 @@ def test_cost_control_planning_zero_or_k_leaves_mtad_as_it_is(pair, engine, rate
     draft's first pass, and greedy output equals no speculation. Forced to plan depth K
     every step: the same drafts, q and outputs as with the control off, sampled rows
     included (seeded): a step that drafts is drafted and verified by mtad's own rule,
-    unchanged."""
+    unchanged. A step with no drafts anywhere skips verification in the sampler (vLLM's
+    plain sampling of one token per request)."""
     from vllm import SamplingParams
 
     _, _, target, _ = pair
@@ -262,21 +263,25 @@ def test_cost_control_planning_zero_or_k_leaves_mtad_as_it_is(pair, engine, rate
         plain = engine.generate(prompts, params)
         plain_records = rounds(plain)
     skipped_before = drafter.kv_holes().skipped_first_passes
+    sampler = engine.runner.rejection_sampler
+    verified = []  # steps the sampler verified drafts in (not the plain-sampling path)
+    sampler._verify = lambda *a, _v=sampler._verify, **k: verified.append(1) or _v(*a, **k)
     try:
         control = _control_on(drafter, rates=rate)
         seqs = engine.generate(prompts, params)
         records = rounds(seqs)
     finally:
         _control_off(drafter)
+        del sampler._verify
     ids = sorted(seqs, key=int)
     if rate == 0.0:
-        assert records == []
+        assert records == [] and verified == []  # every step sampled as a plain one
         assert set(control.stats.depths) == {0}
         assert drafter.kv_holes().skipped_first_passes - skipped_before >= 10
         assert seqs[ids[0]] == prompts[0] + greedy_generate(target, prompts[0], 12)
         assert all(len(seqs[r]) == len(p) + 12 for r, p in zip(ids[1:], prompts[1:]))
     else:
-        assert set(control.stats.depths) == {K}
+        assert set(control.stats.depths) == {K} and len(verified) >= 10
         assert [seqs[r] for r in ids] == [plain[r] for r in sorted(plain, key=int)]
         assert records == plain_records and len(records) >= 10
 

@@ -203,6 +203,43 @@ class SpecxPasses(SpecDecodeBaseProposer):
                            target_tokens, plan)
         return self.draft_round(start, sampling_metadata)
 
+    def prepare_inputs_padded(  # type: ignore[override]
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        spec_decode_metadata: Any,
+        valid_sampled_tokens_count: torch.Tensor,
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
+        """vLLM's padded input preparation, without its kernel launch after a step where no
+        request verified drafts (cost control planned zero for everyone): nothing was
+        rejected, and each request's token to sample from is its last query token, which
+        is what the kernel computes for zero drafts. The metadata is the base class's
+        for any step."""
+        if spec_decode_metadata.max_spec_len > 0:
+            return super().prepare_inputs_padded(
+                common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count)
+        cad = common_attn_metadata
+        num_reqs = cad.num_reqs
+        qsl_cpu = cad.query_start_loc_cpu
+        total = int(qsl_cpu[-1])
+        spec_cad = CommonAttentionMetadata(
+            query_start_loc=cad.query_start_loc,
+            seq_lens=cad.seq_lens,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu_upper_bound=cad.seq_lens_cpu_upper_bound,
+            num_reqs=num_reqs,
+            num_actual_tokens=total,
+            max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()),
+            max_seq_len=cad.max_seq_len,
+            block_table_tensor=cad.block_table_tensor,
+            slot_mapping=cad.slot_mapping[:total],
+            causal=True,
+            dcp_local_seq_lens=cad.dcp_local_seq_lens,
+        )
+        device = valid_sampled_tokens_count.device
+        token_indices = (cad.query_start_loc[1:num_reqs + 1] - 1).to(torch.int32)
+        num_rejected = torch.zeros(num_reqs, dtype=torch.int32, device=device)
+        return spec_cad, token_indices, num_rejected
+
     def kv_holes(self) -> DraftKVHoles:
         """The drafter's record of draft KV that skipped first passes did not write."""
         holes = getattr(self, "_kv_holes", None)

@@ -43,6 +43,10 @@ def verification_rule(settings: dict[str, Any]) -> str:
 class SpecxRejectionSampler(RejectionSampler):
     """vLLM's rejection sampler with the specx verification rules inside."""
 
+    # A step where no request has drafts is sampled by vLLM's plain sampler (forward);
+    # False runs the verification path with zero drafts per row (benchmarks compare).
+    plain_sampling_without_drafts: bool = True
+
     def __init__(self, sampler: Any, spec_config: Any, device: Any,
                  settings: dict[str, Any], backend: Backend) -> None:
         super().__init__(sampler, spec_config, device)
@@ -56,6 +60,14 @@ class SpecxRejectionSampler(RejectionSampler):
     def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                 sampling_metadata: Any) -> SamplerOutput:
         assert metadata.max_spec_len <= MAX_SPEC_LEN
+        if metadata.max_spec_len == 0 and self.plain_sampling_without_drafts:
+            # No request of the step has drafts (cost control planned zero for everyone):
+            # vLLM's runner still takes the spec-decode path, but there is nothing to
+            # verify; one row per request, sampled as a step without speculation samples
+            # it (same call, same generator draws, same logprobs), so the step costs a
+            # plain decode step's sampling (issue 32, docs/cost-control.md).
+            return self.sampler(logits=logits[metadata.bonus_logits_indices],
+                                sampling_metadata=sampling_metadata)
         # The bonus token: vLLM's own sampler, exactly as in RejectionSampler.forward.
         bonus_logits = logits[metadata.bonus_logits_indices]
         bonus_out = self.sampler(
