@@ -126,10 +126,11 @@ def test_specx_mtp_greedy_under_preemption(mtp, v2_host):
     assert out == mtp["ref"]["many"]
 
 
-def _exact_two_token_distribution(model_dir: str,
-                                  prompt: list[int]) -> dict[tuple[int, int], float]:
-    """p(t1, t2 | prompt) at temperature 1, top-k STAT_TOP_K, from vLLM without
-    speculation is not exact; the transformers model is (9 sequences)."""
+def _exact_distribution(model_dir: str, prompt: list[int], length: int = 2,
+                        top_k: int = STAT_TOP_K) -> dict[tuple[int, ...], float]:
+    """p(t1 .. t_length | prompt) at temperature 1 and top-k, enumerated (top_k ** length
+    sequences): vLLM without speculation is not exact; the transformers model is. Also
+    the draft-tree chi-square test's reference (test_v2_trees.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -138,10 +139,20 @@ def _exact_two_token_distribution(model_dir: str,
     def top(ctx: list[int]) -> list[tuple[int, float]]:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ctx])).logits[0, -1].float()
-        vals, idx = logits.topk(STAT_TOP_K)
+        vals, idx = logits.topk(top_k)
         return list(zip(idx.tolist(), vals.softmax(-1).tolist()))
 
-    return {(a, b): pa * pb for a, pa in top(prompt) for b, pb in top(prompt + [a])}
+    dist: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        dist = {(*seq, t): p * pt for seq, p in dist.items()
+                for t, pt in top(prompt + list(seq))}
+    return dist
+
+
+def _exact_two_token_distribution(model_dir: str,
+                                  prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """p(t1, t2 | prompt) at temperature 1, top-k STAT_TOP_K (9 sequences)."""
+    return _exact_distribution(model_dir, prompt, 2)
 
 
 def test_specx_sampler_on_v2_samples_the_target_distribution(mtp, v2_host):

@@ -11,7 +11,9 @@ One engine per method (the interpreter makes V2 slow). The mtad engine has the s
 cache of ``test_v2_draft_models.py``: its requests (five copies of one prompt, and each
 shared prompt at three output lengths) are preempted and end inside a tree; it is also the
 V2 suite's MTAD-under-preemption case. The adaptive engine's batch mixes greedy requests
-with a seeded sampled one (warped rows, the "deterministic" tree rule).
+with a seeded sampled one (a sampled batch drafts i.i.d. children, verified by the
+"sampled" rule); the same engine then draws seeded samples at T = 1 whose distribution is
+checked against the target's exact one (chi-square).
 
 Measured once (not asserted: the tree drafter may change): the adaptive engine's greedy
 requests give the same tree counters on V1 as here (16 tree steps, 110 nodes, 20 accepted,
@@ -118,6 +120,120 @@ def test_adaptive_tree_greedy_equals_no_speculation_on_v2(adaptive_tree_run, v2_
     assert outputs[: len(PROMPTS)] == v2_reference
     assert len(outputs[-1]) == SAMPLED["max_tokens"]
     _assert_tree_steps(adaptive_tree_run, 8)
+
+
+# Sampled trees on V2: seeded 3-token samples at T = 1, top-k 2 (8 outcomes), on the
+# adaptive tree engine. The fixture draft is another model than the target, so q differs
+# from p and both acceptances and rejections happen. The engine computes in bfloat16 (vLLM's
+# CPU default), the reference in float32: this prompt's target logits keep the top-k
+# boundary at least 0.37 apart in all 7 contexts (found by a search over random prompts;
+# PROMPTS[0]'s 3rd and 4th tokens after one token are 0.016 apart, which bfloat16 rounding
+# ties or swaps, so the engine there emits tokens outside the float32 top-k).
+N_TREE_STAT = 300
+TREE_STAT_TOP_K = 2
+TREE_STAT_PROMPT = [231, 424, 247, 434, 107, 421, 140]
+
+
+def sampled_tree_run(llm: Any, prompt: list[int], n: int, sampled_children: bool
+                     ) -> dict[str, Any]:
+    """Runs in the V2 host: ``n`` seeded samples with ``sampled_children`` set as given
+    (the knob is read per round), the rounds and tree steps they ran, vLLM's spec-decode
+    counters, the lengths the scheduler received and the q the specx sampler read."""
+    from dataclasses import asdict
+
+    from vllm_specx.algorithms import draft_tree
+    from vllm_specx.methods import SAMPLED_CHILDREN_KEY, draft_model_tree
+    from vllm_specx.testing.v2_engine import runner_of, spec_decode_counters
+
+    runner = runner_of(llm)
+    spec = runner.speculator
+    settings = spec.settings
+    spec.settings = {**settings, "draft_tree": {**draft_model_tree(settings),
+                                                SAMPLED_CHILDREN_KEY: sampled_children}}
+    q_shapes: set[tuple[int, ...]] = set()
+    store = spec.take_last_draft_probs
+
+    def take_q() -> Any:
+        q = store()
+        q_shapes.add(() if q is None else tuple(q.shape[1:]))
+        return q
+
+    # The tree rules the specx V2 sampler ran (it imports verify_tree at each call).
+    rules: list[str] = []
+    verify = draft_tree.verify_tree
+
+    def verify_recorded(*args: Any, **kwargs: Any) -> Any:
+        rules.append(kwargs["rule"])
+        return verify(*args, **kwargs)
+
+    spec.take_last_draft_probs = take_q
+    draft_tree.verify_tree = verify_recorded
+    before = (spec_decode_counters(llm), asdict(runner.specx_tree_state.stats),
+              spec.sampled_tree_rounds)
+    params = [dict(temperature=1.0, top_k=TREE_STAT_TOP_K, seed=i, max_tokens=3,
+                   ignore_eos=True) for i in range(n)]
+    try:
+        run = run_tree(llm, [prompt] * n, params)
+    finally:
+        spec.settings = settings
+        draft_tree.verify_tree = verify
+        del spec.take_last_draft_probs
+    run["rules"] = sorted(set(rules))
+    after = spec_decode_counters(llm)
+    run["counters"] = {k: after[k] - before[0].get(k, 0.0) for k in after}
+    run["stats"] = {k: v - before[1][k] for k, v in run["stats"].items()}
+    run["sampled_rounds"] = spec.sampled_tree_rounds - before[2]
+    run["q_shapes"] = sorted(q_shapes)
+    return run
+
+
+def _chi_square_p(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], float]
+                  ) -> float:
+    """Pearson chi-square p-value of ``samples`` against ``dist``, cells expecting fewer
+    than 5 pooled."""
+    from scipy.stats import chisquare
+
+    assert set(samples) <= set(dist), set(samples) - set(dist)
+    n = len(samples)
+    big = [k for k in dist if dist[k] * n >= 5]
+    small = [k for k in dist if k not in big]
+    observed = [samples.count(k) for k in big] + (
+        [sum(samples.count(k) for k in small)] if small else [])
+    expected = [dist[k] * n for k in big] + ([sum(dist[k] for k in small) * n] if small else [])
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+def test_sampled_tree_keeps_the_target_distribution_on_v2(adaptive_tree_run, v2_host):
+    """``adaptive`` with ``draft_tree`` at T = 1 on V2: a sampled batch drafts i.i.d.
+    children (``sampled_children``, the default), whose q rows reach the specx V2 sampler,
+    which verifies them with the "sampled" (SpecInfer) rule; the 3-token samples follow
+    the target's exact distribution (chi-square); the scheduler and vLLM's counters got
+    the trees' sizes."""
+    from test_v2_eagle_family import _exact_distribution
+    from v2_cases import TARGET
+
+    prompt = TREE_STAT_PROMPT
+    run = v2_host.call("adaptive-tree", f"{__name__}:sampled_tree_run", prompt, N_TREE_STAT,
+                       True)
+    samples = [tuple(t) for t in run["outputs"]]
+    assert [len(t) for t in samples] == [3] * N_TREE_STAT
+    assert run["sampled_rounds"] > 0 and run["rules"] == ["sampled"], run["rules"]
+    # Every round handed full q rows: [tree nodes, vocabulary] per request.
+    assert run["q_shapes"] == [(8, 4096)], run["q_shapes"]
+    stats, counters = run["stats"], run["counters"]
+    # Verified as trees, with acceptances and rejections (some paths left node 0).
+    assert stats["tree_requests"] > 0 and stats["chain_fallback_steps"] == 0, stats
+    assert 0 < stats["accepted"] < stats["tree_nodes"] - stats["tree_requests"], stats
+    assert stats["compacted"] > 0, stats
+    # The scheduler received whole trees (3 + 3 + 2 nodes) and vLLM's counters count them:
+    # draft tokens = the nodes verified, accepted = the accepted paths' nodes.
+    assert {n for step in run["received"] for n in step} == {8}, run["received"]
+    assert counters["num_draft_tokens"] == stats["tree_nodes"], (counters, stats)
+    assert counters["num_accepted_tokens"] == stats["accepted"], (counters, stats)
+    p_value = _chi_square_p(samples, _exact_distribution(TARGET, prompt, 3,
+                                                         TREE_STAT_TOP_K))
+    assert p_value > 1e-3, p_value
 
 
 # specx_eagle3 head trees on V2 (glue/v2_eagle.py's head-tree round over the V2 tree step):

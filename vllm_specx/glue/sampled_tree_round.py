@@ -15,9 +15,12 @@ beam tree).
 Every node's draft distribution row (the warped ``q`` its parent's children were drawn
 from) goes to the sampler through ``take_last_draft_probs`` as ``[R, N, V]``; the runner
 slices ``[row, :num_draft]`` and the specx sampler then verifies the tree with the
-``"sampled"`` rule. A step that verifies the scheduled drafts as a chain (penalties,
-grammars, a cut tree) runs the standard rule with the same rows, which is lossless too:
-each node, in BFS order, is a fresh draw from its row given the nodes before it.
+``"sampled"`` rule. On Model Runner V2 the same round runs
+(``glue/v2_speculators.DraftTreeV2Speculator``): the rows reach the specx V2 sampler by
+request-state row (``glue/v2_sampler.store_draft_q``). A step that verifies the scheduled
+drafts as a chain (penalties, grammars, a cut tree) runs the standard rule with the same
+rows, which is lossless too: each node, in BFS order, is a fresh draw from its row given
+the nodes before it.
 """
 
 from __future__ import annotations
@@ -90,8 +93,13 @@ def sampled_tree_round(proposer: Any, start: RoundStart,
     runner = proposer.model_runner
     req_ids = list(start.req_ids if start.req_ids is not None
                    else runner.input_batch.req_ids[:num_reqs])
+    # The live requests: V1's runner.requests, V2's request states (Model Runner V2 runs
+    # this round too: glue/v2_speculators.DraftTreeV2Speculator).
+    live = getattr(runner, "requests", None)
+    if live is None:
+        live = runner.req_states.req_id_to_index
     proposer.tree_state.record_round(req_ids, list(tokens_cpu), list(parents_cpu),
-                                     live_req_ids=getattr(runner, "requests", None))
+                                     live_req_ids=live)
     depth = len(depth_sizes(budget, int(shape["max_depth"]), int(shape["branching"])))
     proposer.stats.record(num_reqs, depth, 1, start.first_tokens, fed["tokens"],
                           fed["passes"], request_passes=num_reqs + fed["tokens"])

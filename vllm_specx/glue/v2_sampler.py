@@ -170,27 +170,38 @@ class SpecxV2RejectionSampler(RejectionSampler):
                 num_nodes[i], generator=gen, device=device)
             exp_noise[i].exponential_(generator=gen)
             offset += num_nodes[i]
-        q = None
+        q = q_rows = None
         q_by_state = getattr(self.speculator, "draft_q_by_state", None)
         if q_by_state is not None and q_by_state.ndim == 2:
             q = torch.cat([q_by_state[s, :n] for s, n in zip(states, num_nodes)])
         elif self.rule == "mtad":
             q = torch.ones(int(sum(num_nodes)), dtype=torch.float32, device=device)
+        elif (q_by_state is not None and q_by_state.ndim == 3
+              and q_by_state.shape[2] == vocab_size):
+            # A draft-model tree with i.i.d. children (glue/sampled_tree_round.py): node
+            # i's row is the q its parent's children were drawn from (a cut tree: the
+            # first n nodes of the BFS list, the scheduler's prefix).
+            q_rows = torch.cat([q_by_state[s, :n] for s, n in zip(states, num_nodes)])
         batch = TreeBatch(
             token_ids=torch.cat([tree.tokens for tree, _ in trees]).to(device),
             parents=torch.cat([tree.parents for tree, _ in trees]).to(device),
             cu_num_nodes=torch.tensor(np.cumsum(num_nodes), dtype=torch.int64, device=device),
         )
-        # The lossless rule for a draft-model tree is "deterministic" (children chosen
-        # without the verifier's randomness), as on V1 (glue/sampler.py).
+        # The lossless rule for a draft-model tree, as on V1 (glue/sampler.py): "sampled"
+        # (SpecInfer) when the drafter stored the q rows its i.i.d. children were drawn
+        # from; otherwise "deterministic" (children chosen without the verifier's
+        # randomness: top-k trees, the EAGLE heads' trees), which reads no q.
         tree_rule = {"mtad": "mtad", "standard": "deterministic"}.get(self.rule)
+        if q_rows is not None and tree_rule == "deterministic":
+            tree_rule = "sampled"
         if tree_rule is None:
             raise NotImplementedError(
                 f"vllm-specx: tree verification with the {self.rule!r} rule is not wired yet")
         verdict = verify_tree(
             batch, node_probs, rule=tree_rule, is_greedy=is_greedy, exp_noise=exp_noise,
             uniforms=uniforms, target_argmax=target_argmax, draft_token_probs=q,
-            acceptance_threshold=self.acceptance_threshold, all_greedy=all_greedy,
+            draft_probs=q_rows, acceptance_threshold=self.acceptance_threshold,
+            all_greedy=all_greedy,
         )
         accepted = verdict.num_accepted.tolist()
         for i, (tree, r) in enumerate(trees):
