@@ -94,12 +94,12 @@ def test_acceptance_head_must_fit_the_eagle_head(target, eagle3_head, tmp_path):
 
 
 def _translate(config: dict, device: str = "cpu"):
-    from vllm_specx.backends import select_backend
+    from vllm_specx.backends import backend_for_device
     from vllm_specx.glue.patches import vllm_method_names, vllm_speculative_fields
 
     return translate(config, vllm_methods=vllm_method_names(),
                      vllm_fields=vllm_speculative_fields(),
-                     limits=select_backend().limits, device=device)
+                     limits=backend_for_device(device).limits, device=device)
 
 
 @pytest.mark.parametrize("base", ["eagle", "eagle3"])
@@ -141,9 +141,12 @@ def test_head_tree_refused_with_adaptive_and_off_cpu():
         _translate({"method": "specx_eagle3", "model": "head", "adaptive": True,
                     "draft_tree": True})
     assert "\n" not in str(err.value)
-    with pytest.raises(SpecxConfigError, match="not on cuda yet") as err:
-        _translate({"method": "eagle3", "model": "head", "draft_tree": True}, device="cuda")
+    with pytest.raises(SpecxConfigError, match="not on npu yet") as err:
+        _translate({"method": "eagle3", "model": "head", "draft_tree": True}, device="npu")
     assert "\n" not in str(err.value)
+    # CUDA verifies head trees on the V1 runner (docs/trees.md "On CUDA and Ascend").
+    assert _translate({"method": "eagle3", "model": "head", "draft_tree": True},
+                      device="cuda").specx_settings["draft_tree"]
     # specx_mtp's tree knob: tests/mtp/test_mtp_config.py.
 
 
