@@ -341,8 +341,8 @@ ADAPTIVE_DRAFT_TREE = Knob(
     "draft a dynamic tree with the draft model instead of the adaptive chain, verified "
     "losslessly in one target pass (CPU, V1 or V2 runner); greedy requests: per depth the "
     "best `branching` continuations of the tree's best paths, the best `max_nodes` nodes "
-    "kept; sampled requests (sampled_children, default true; V1 runner, V2 drafts the top-k "
-    "tree): `branching` i.i.d. draws per depth from the drafter, the likeliest one "
+    "kept; sampled requests (sampled_children, default true; V1 or V2 runner): `branching` "
+    "i.i.d. draws per depth from the drafter, the likeliest one "
     "expanded, verified by SpecInfer's multi-draft rule (false: the greedy requests' top-k "
     "tree, verified by the deterministic rule); the "
     "adaptive stop is not used then; true = the defaults 16 / 5 / 4 / true",
