@@ -39,7 +39,7 @@ MIN_MATMUL_ROWS = 4
 # Batch-invariant attention (see _attend_rows_alone): keys in tiles of KEY_TILE, products
 # of at most MAX_UNIT_M rows (a unit's query rows x a kv head's query heads), and at most
 # MAX_CALL_TILES key tiles gathered per batched call (memory: long prefills are split).
-KEY_TILE = 256
+KEY_TILE = 128
 MAX_UNIT_M = 64
 # Requests of at most this many query rows (decoding, chain verification, short prefill
 # chunks) get every row computed alone, as a one-token decode (see _plan_rows).
@@ -310,19 +310,28 @@ class _Batch:
 
 
 @dataclass
-class _RowsPlan:
-    """Where one call's query rows and their keys come from, as units of
-    :func:`_attend_units` (see :func:`_attend_rows_alone`). Per call ``(tok, lims,
-    blk, off)``: ``tok`` [U, R] the query token of each unit row (-1: none), ``lims``
-    [U, R] how many of the unit's keys that row sees (a prefix; >= 1), ``blk`` / ``off``
-    [U, P] the cache block and offset of each of the unit's keys in order (``blk`` -1:
-    padding, a zero key), ``P`` a multiple of KEY_TILE."""
+class _Call:
+    """One batched call of :func:`_attend_units` over U units of R rows and P keys
+    (a multiple of KEY_TILE): ``tok`` [U, R] each unit row's query token (-1: none);
+    ``rows`` [U * kv_heads * P] each key's row in a cache viewed as ``[rows, head]``
+    (see :func:`_cache_rows`); ``hidden`` [U, M, P] the keys each product row does not
+    see (M = R * group, zero rows up to MIN_MATMUL_ROWS); ``pad`` the padding keys'
+    rows among the gathered ``[U * kv_heads * P]`` (their slots hold whatever another
+    request left, maybe NaN), or None."""
 
-    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    tok: torch.Tensor
+    rows: torch.Tensor
+    hidden: torch.Tensor
+    pad: torch.Tensor | None
+
+
+@dataclass
+class _RowsPlan:
+    calls: list[_Call]
 
 
 def _plan_rows(batch: _Batch, block_table: torch.Tensor, block_size: int, group: int,
-               masks: QueryMasks | None) -> _RowsPlan:
+               masks: QueryMasks | None, strides: tuple[int, ...]) -> _RowsPlan:
     """Split the call's rows into units. A unit of one row is computed exactly as a lone
     one-token decode computes it: every decode row, every row of a request of at most
     ROWS_ALONE rows (a chain's verification rows, a short prefill chunk) and every tree
@@ -375,10 +384,31 @@ def _plan_rows(batch: _Batch, block_table: torch.Tensor, block_size: int, group:
             tok[u, :len(toks)] = torch.tensor(toks)
             lims[u, :len(lim)] = torch.tensor(lim)
             slot[u, :sl.shape[0]] = sl
-        blk = torch.where(slot >= 0, slot // block_size, -1)
-        calls.append((tok, lims, blk, slot.clamp(min=0) % block_size))
+        calls.append(_make_call(tok, lims, slot, block_size, group, strides))
         at = end
     return _RowsPlan(calls)
+
+
+def _make_call(tok: torch.Tensor, lims: torch.Tensor, slot: torch.Tensor, block_size: int,
+               group: int, strides: tuple[int, ...]) -> _Call:
+    num, width = tok.shape
+    num_kv_heads = strides[3]
+    s_blk, s_head, s_off = strides[:3]
+    valid = slot >= 0
+    slot = slot.clamp(min=0)
+    heads = torch.arange(num_kv_heads)[None, :, None]
+    rows = ((slot // block_size)[:, None, :] * s_blk + heads * s_head
+            + (slot % block_size)[:, None, :] * s_off).flatten()
+    m = max(width * group, MIN_MATMUL_ROWS)
+    row_lims = lims.repeat_interleave(group, dim=1)
+    if m > width * group:
+        row_lims = torch.cat((row_lims, row_lims.new_ones(num, m - width * group)), dim=1)
+    hidden = torch.arange(slot.shape[1])[None, None, :] >= row_lims[:, :, None]
+    pad = None
+    if not bool(valid.all()):  # the padding keys' rows in the gathered [U * kv * P] rows
+        pad = torch.nonzero((~valid)[:, None, :].expand(-1, num_kv_heads, -1).flatten())
+        pad = pad.flatten()
+    return _Call(tok, rows, hidden, pad)
 
 
 # The last plan and what it was made from: every layer of a forward calls the op with the
@@ -386,20 +416,35 @@ def _plan_rows(batch: _Batch, block_table: torch.Tensor, block_size: int, group:
 _PLAN_CACHE: list = []
 
 
+def _cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A ``[blocks, kv_heads, block, head]`` cache (vLLM's view into its KV tensor) as
+    ``[rows, head]`` rows of the same memory, and the row strides of block, kv head and
+    offset: one ``index_select`` then gathers any keys in any order."""
+    num_blocks, num_kv_heads, block_size, head_size = cache.shape
+    st = cache.stride()
+    if st[3] != 1 or any(x % head_size for x in st[:3]):
+        cache = cache.contiguous()
+        st = cache.stride()
+    strides = (st[0] // head_size, st[1] // head_size, st[2] // head_size)
+    last = (num_blocks - 1) * strides[0] + (num_kv_heads - 1) * strides[1] + (
+        block_size - 1) * strides[2]
+    return cache.as_strided((last + 1, head_size), (head_size, 1)), strides
+
+
 def _rows_plan(batch: _Batch, block_table: torch.Tensor, block_size: int, group: int,
-               masks: QueryMasks | None) -> _RowsPlan:
+               masks: QueryMasks | None, strides: tuple[int, ...]) -> _RowsPlan:
     n_blk = (batch.max_s + block_size - 1) // block_size
     table = block_table[:batch.num_reqs, :n_blk]
     if _PLAN_CACHE:
-        (qsl, s_lens, causal, tab, bs, grp, m), plan = _PLAN_CACHE
-        if (m is masks and bs == block_size and grp == group and tab.shape == table.shape
+        (qsl, s_lens, causal, tab, key, m), plan = _PLAN_CACHE
+        if (m is masks and key == (block_size, group, strides) and tab.shape == table.shape
                 and qsl.shape == batch.qsl.shape and torch.equal(qsl, batch.qsl)
                 and torch.equal(s_lens, batch.s_lens)
                 and torch.equal(causal, batch.req_causal) and torch.equal(tab, table)):
             return plan
-    plan = _plan_rows(batch, block_table, block_size, group, masks)
+    plan = _plan_rows(batch, block_table, block_size, group, masks, strides)
     _PLAN_CACHE[:] = [(batch.qsl.clone(), batch.s_lens.clone(), batch.req_causal.clone(),
-                       table.clone(), block_size, group, masks), plan]
+                       table.clone(), (block_size, group, strides), masks), plan]
     return plan
 
 
@@ -454,58 +499,56 @@ def _attend_rows_alone(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     cdt = _compute_dtype(query.dtype)
-    plan = _rows_plan(batch, block_table, block_size, group, masks)
-    for tok, lims, blk, off in plan.calls:
-        rows = _attend_units(query, key_cache, value_cache, tok, lims, blk, off, scale,
-                             num_kv_heads, cdt)
-        valid = tok >= 0
+    key_rows, strides = _cache_rows(key_cache)
+    value_rows, v_strides = _cache_rows(value_cache)
+    if v_strides != strides:  # not vLLM's layout: a copy with the keys' layout
+        value_rows, v_strides = _cache_rows(value_cache.contiguous())
+        key_rows, strides = _cache_rows(key_cache.contiguous())
+    plan = _rows_plan(batch, block_table, block_size, group, masks,
+                      (*strides, num_kv_heads))
+    for call in plan.calls:
+        rows = _attend_units(query, key_rows, value_rows, call, scale, num_kv_heads, cdt)
+        valid = call.tok >= 0
         if bool(valid.all()):
-            out[tok.flatten()] = rows.reshape(-1, num_heads, head_size).to(out.dtype)
+            out[call.tok.flatten()] = rows.reshape(-1, num_heads, head_size).to(out.dtype)
         else:
-            out[tok[valid]] = rows[valid].to(out.dtype)
+            out[call.tok[valid]] = rows[valid].to(out.dtype)
 
 
 def _attend_units(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    tok: torch.Tensor, lims: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+    query: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, call: _Call,
     scale: float, num_kv_heads: int, cdt: torch.dtype,
 ) -> torch.Tensor:
     """One batched call over units (see :func:`_attend_rows_alone`): returns ``[U, R,
     heads, head]``, the attention of each unit row (rows of ``tok`` -1 are garbage)."""
-    num, width = tok.shape
+    num, width = call.tok.shape
     _, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
-    keys = blk.shape[1]
+    keys = call.hidden.shape[2]
     tiles = keys // KEY_TILE
     # [U, R, heads, D] -> [U, kv, R * group, D], zero rows up to MIN_MATMUL_ROWS
-    q = query[tok.clamp(min=0)].to(cdt)
+    q = query[call.tok.clamp(min=0)].to(cdt)
     q = q.view(num, width, num_kv_heads, group, head_size).transpose(1, 2)
     q = q.reshape(num, num_kv_heads, width * group, head_size)
-    m = max(width * group, MIN_MATMUL_ROWS)
+    m = call.hidden.shape[1]
     if m > width * group:
         q = torch.cat((q, q.new_zeros(num, num_kv_heads, m - width * group, head_size)),
                       dim=2)
-    pad = blk < 0
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        # [U, P, kv, D] (advanced indices on dims 0 and 2 go first) -> [U, kv, tiles, T, D]
-        g = cache[blk.clamp(min=0), :, off].to(cdt)
-        if bool(pad.any()):
-            # a padding key's slot holds whatever another request left (maybe NaN)
-            g = g.masked_fill(pad[:, :, None, None], 0.0)
-        return g.view(num, tiles, KEY_TILE, num_kv_heads, head_size).permute(0, 3, 1, 2, 4)
-
-    k, v = gather(key_cache), gather(value_cache)
-    # [U, kv, 1, M, D] @ [U, kv, tiles, D, T] -> [U, kv, tiles, M, T] -> [U, kv, M, P]
-    scores = torch.matmul(q[:, :, None], k.transpose(-1, -2)) * scale
-    scores = scores.permute(0, 1, 3, 2, 4).reshape(num, num_kv_heads, m, keys)
-    row_lims = lims.repeat_interleave(group, dim=1)
-    if m > width * group:
-        row_lims = torch.cat((row_lims, row_lims.new_ones(num, m - width * group)), dim=1)
-    hidden = torch.arange(keys)[None, None, :] >= row_lims[:, :, None]  # [U, M, P]
-    probs = torch.softmax(scores.masked_fill(hidden[:, None], float("-inf")), dim=-1)
+    # [U, kv, P, D] each; a padding key's value is zeroed (its slot may hold NaN)
+    k = key_rows.index_select(0, call.rows).view(num, num_kv_heads, keys, head_size)
+    k = k.to(cdt)
+    v = value_rows.index_select(0, call.rows).view(num, num_kv_heads, keys, head_size)
+    v = v.to(cdt)
+    if call.pad is not None:
+        v.view(-1, head_size).index_fill_(0, call.pad, 0.0)
+    # [U, kv, M, D] @ [U, kv, D, P]: one product over all keys (each key tile's scores
+    # are the bits a product over that tile alone gives: probed on both kernel kinds)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores.masked_fill_(call.hidden[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # [U, kv, tiles, M, T] @ [U, kv, tiles, T, D]: the key count of each product fixed
     probs = probs.view(num, num_kv_heads, m, tiles, KEY_TILE).transpose(2, 3)
-    parts = torch.matmul(probs, v)  # [U, kv, tiles, M, D]
+    parts = torch.matmul(probs, v.view(num, num_kv_heads, tiles, KEY_TILE, head_size))
     ctx = parts[:, :, 0] if tiles == 1 else parts.cumsum(dim=2)[:, :, -1]
     # [U, kv, R * group, D] -> [U, R, heads, D]
     ctx = ctx[:, :, :width * group].reshape(num, num_kv_heads, width, group, head_size)
