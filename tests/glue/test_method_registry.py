@@ -72,9 +72,11 @@ def test_npu_refusals_come_from_the_spec() -> None:
 
 
 def test_engine_checks_and_proposers_are_named_not_imported() -> None:
+    from vllm_specx.glue.mtp_proposer import require_tree_target
     from vllm_specx.glue.patches import require_mtp_layers
 
-    assert [check() for check in METHODS["specx_mtp"].engine_checks] == [require_mtp_layers]
+    assert [check() for check in METHODS["specx_mtp"].engine_checks] == [
+        require_mtp_layers, require_tree_target]
     assert METHODS["adaptive"].engine_checks == () and METHODS["mtad"].engine_checks == ()
 
 
