@@ -12,8 +12,9 @@ Three in-process engines, all alive at once, warmed up, timed passes interleaved
   before the skip);
 * ``adaptive, plans 0, verify path`` (``--compare-sampler``): pass skipped, but the step
   without drafts sampled through the rejection sampler's verification path with zero
-  drafts per row (the behaviour before the sampler's plain-sampling shortcut,
-  ``SpecxRejectionSampler.plain_sampling_without_drafts``).
+  drafts per row and vLLM's input preparation kernel run after it (the behaviour before
+  the shortcuts: ``SpecxRejectionSampler.plain_sampling_without_drafts``,
+  ``SpecxPasses.prepare_inputs_padded``).
 
 Greedy, ``ignore_eos``; decode steps only (steps with prefill tokens are not counted)::
 
@@ -146,8 +147,13 @@ def main() -> int:
         llm = make_llm(target, speculative_config=cfg, **overrides)
         drafter = _force_zero(llm, skip) if cfg is not None else None
         if name.endswith("verify path"):
+            from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
             runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
             runner.rejection_sampler.plain_sampling_without_drafts = False
+            # and vLLM's input preparation with its kernel, as before the shortcut
+            drafter.prepare_inputs_padded = (  # type: ignore[method-assign]
+                SpecDecodeBaseProposer.prepare_inputs_padded.__get__(drafter))
         clock = _ProposeClock(drafter) if drafter is not None else None
         _run(llm, prompts, args.max_tokens)  # warm-up, not counted
         engines.append((name, llm, clock, drafter))

@@ -286,8 +286,9 @@ MTAD_COST_CONTROL = Knob(
     "cost_control", "bool", False, "true or false",
     "choose every step's beam depth (0..num_speculative_tokens, one for the whole batch) "
     "from the engine's own measured step costs and the requests' acceptance so far; 0 is a "
-    "plain decode step that skips the draft model. Off by default (docs/cost-control.md: "
-    "measured against a fixed K); V1 runner only, not with draft_tree",
+    "plain decode step that skips the draft model. Off by default: mtad's sampled output "
+    "depends on how much it drafts, and the control weighs only speed (docs/cost-control.md); "
+    "for greedy traffic whose drafts may not pay. V1 runner only, not with draft_tree",
 )
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
