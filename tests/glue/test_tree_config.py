@@ -72,7 +72,7 @@ def test_trees_pass_validation_on_cuda(method):
 
 
 def test_tree_knob_belongs_to_the_draft_model_methods():
-    owners = "'mtad', 'adaptive', 'specx_eagle' or 'specx_eagle3'"
+    owners = "'mtad', 'adaptive', 'specx_mtp', 'specx_eagle' or 'specx_eagle3'"
     with pytest.raises(SpecxConfigError, match=f"belongs to specx method {owners}"):
         run({"method": "ngram", "num_speculative_tokens": 3, "draft_tree": True})
 
