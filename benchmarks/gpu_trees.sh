@@ -8,13 +8,15 @@
 # came from it on the lent GPU machine (../shared/hooks/gpu-kit, `run.sh`).
 # Usage: bash benchmarks/gpu_trees.sh [OUT_DIR]        (default: bench-out/gpu_trees)
 # Env:   BATCHES ("1"), TEMPERATURES ("0"), NUM_PROMPTS (8), MAX_TOKENS (64), RUNNER (v1),
-#        GPU_MEM (gpu_memory_utilization, 0.3), ONLY (a substring: run only the configs whose
-#        name contains it, the baseline always)
+#        GPU_MEM (gpu_memory_utilization, 0.3), ONLY (an extended regular expression: run only
+#        the configs whose JSON matches it, the baseline always), EAGLE3 / DRAFT (the head and the drafter:
+#        default the shipped vllm_specx/models/smollm2_eagle3 and smollm2_draft)
 set -euo pipefail
 OUT="$(realpath -m "${1:-bench-out/gpu_trees}")"
 mkdir -p "$OUT"
 if [ "${RUNNER:-v1}" = v1 ]; then export VLLM_USE_V2_MODEL_RUNNER=0; fi
-HEAD="$(realpath vllm_specx/models/smollm2_eagle3)"
+HEAD="$(realpath "${EAGLE3:-vllm_specx/models/smollm2_eagle3}")"
+DRAFT="$(realpath "${DRAFT:-vllm_specx/models/smollm2_draft}")"
 E3="\"model\":\"$HEAD\""
 ALL=(
   "{\"method\":\"eagle3\",$E3,\"num_speculative_tokens\":3,\"name\":\"eagle3 K=3\"}"
@@ -26,11 +28,11 @@ ALL=(
 )
 CFGS=()
 for c in "${ALL[@]}"; do
-  case "$c" in *"${ONLY:-}"*) CFGS+=(--config "$c") ;; esac
+  if grep -Eq -- "${ONLY:-.}" <<< "$c"; then CFGS+=(--config "$c"); fi
 done
 for B in ${BATCHES:-1}; do for T in ${TEMPERATURES:-0}; do
   echo "b=$B T=$T start $(date -u +%H:%M:%S) runner=${RUNNER:-v1}"
-  python3 -m vllm_specx.cli bench --pair real --temperature "$T" --ignore-eos --no-plots \
+  python3 -m vllm_specx.cli bench --pair real --draft "$DRAFT" --temperature "$T" --ignore-eos --no-plots \
     --num-prompts "${NUM_PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-64}" \
     --engine-args "{\"max_num_seqs\": $B, \"dtype\": \"bfloat16\", \"gpu_memory_utilization\": ${GPU_MEM:-0.3}}" \
     -o "$OUT/gpu_T${T}_b${B}.json" "${CFGS[@]}"

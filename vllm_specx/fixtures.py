@@ -77,8 +77,12 @@ def heldout_prompts(n: int) -> list[str]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     records = heldout_records()
-    if n > len(records):
-        raise ValueError(f"only {len(records)} held-out prompts are stored, asked for {n}")
+    path = fixtures_root() / "heldout_prompts.jsonl"
+    with open(path, encoding="utf-8") as f:
+        stored = sum(1 for line in f if line.strip())
+    if n > stored:
+        raise ValueError(f"only {stored} held-out prompts are stored, asked for {n}")
+    # Fewer than n only where this Python's stdlib lacks some snippets' files (warned).
     return [r["prompt"] for r in records[:n]]
 
 
@@ -90,24 +94,32 @@ def heldout_records() -> list[dict[str, Any]]:
     library (file, first line, lengths) and a sha256 of its text: the text is read from
     this machine's stdlib, so none of it is copied into the repository. A snippet whose
     hash differs (another Python version) is still used, with a warning: the benchmark
-    report's prompt hash then tells the runs apart.
+    report's prompt hash then tells the runs apart. A snippet whose file this Python's
+    stdlib no longer has (``distutils`` is gone from Python 3.12) is left out, with a
+    warning.
     """
     path = fixtures_root() / "heldout_prompts.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; {_BUILD_HINT}")
     with open(path, encoding="utf-8") as f:
         refs = [json.loads(line) for line in f if line.strip()]
-    return [materialise_heldout(ref) for ref in refs]
+    records = [materialise_heldout(ref) for ref in refs]
+    return [r for r in records if r is not None]
 
 
-def materialise_heldout(ref: dict[str, Any]) -> dict[str, Any]:
-    """A stored held-out reference with its ``prompt`` and ``text`` read from the stdlib."""
+def materialise_heldout(ref: dict[str, Any]) -> dict[str, Any] | None:
+    """A stored held-out reference with its ``prompt`` and ``text`` read from the stdlib;
+    None (with a warning) where this Python's stdlib lacks the file."""
     if "text" in ref:  # a record that carries its text
         return ref
     kind, _, rel = ref["source"].partition(":")
     if kind != "stdlib":
         raise ValueError(f"unknown held-out source {ref['source']!r}")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    if not (stdlib / rel).is_file():
+        warnings.warn(f"held-out snippet {ref['id']} ({rel}) is not in this Python's "
+                      f"standard library; left out", stacklevel=3)
+        return None
     lines = (stdlib / rel).read_text(encoding="utf-8").splitlines(keepends=True)
     text = "".join(lines[ref["line"] - 1:])[: ref["text_chars"]]
     if hashlib.sha256(text.encode("utf-8")).hexdigest() != ref["sha256"]:

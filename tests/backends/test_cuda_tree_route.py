@@ -146,7 +146,11 @@ def test_patched_forward_without_masks_is_vllms_own(triton_attn, monkeypatch) ->
 def _engine_args(**kw):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model="unused", **kw)
+    from vllm_specx.fixtures import fixtures_root
+
+    # A local model directory: with HF_HUB_OFFLINE=1 (the GPU machine) vLLM resolves any
+    # other name through the hub cache and fails.
+    return EngineArgs(model=str(fixtures_root() / "target"), **kw)
 
 
 class _ModelConfig(SimpleNamespace):

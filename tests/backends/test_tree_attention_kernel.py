@@ -176,11 +176,14 @@ def test_kernel_equals_path_as_chain_and_the_cpu_tree_attention(triton_call, sha
     start = int(b["qsl"][branching[0]])
     rows = slice(start, start + b["q_lens"][branching[0]])
     assert not torch.allclose(causal[rows], got[rows], atol=1e-3)
-    # ... and the causal requests of the batch are the same either way, bit for bit.
+    # ... and the causal requests of the batch are the same either way: bit for bit under
+    # the interpreter; on a GPU the masked and unmasked kernels are two compilations whose
+    # float32 rounding may differ in the last bit (seen on an H200: 6e-8).
+    tol = 0.0 if got.device.type == "cpu" else 1e-6
     for r, (_, p) in enumerate(b["spec"]):
         if not isinstance(p, list):
             rows = slice(int(b["qsl"][r]), int(b["qsl"][r + 1]))
-            torch.testing.assert_close(causal[rows], got[rows], atol=0, rtol=0)
+            torch.testing.assert_close(causal[rows], got[rows], atol=tol, rtol=tol)
 
 
 def test_float16_and_query_masks_conversion(triton_call) -> None:
