@@ -72,7 +72,8 @@ def run_tree(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
         del runner.take_draft_token_ids
         scheduler._preempt_request = preempt
     return {"outputs": outputs, "stats": asdict(runner.specx_tree_state.stats),
-            "received": received, "preemptions": preemptions}
+            "received": received, "preemptions": preemptions,
+            "sampled_rounds": getattr(runner.speculator, "sampled_tree_rounds", None)}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,10 @@ def mtad_tree_run(v2_engine, v2_host) -> dict[str, Any]:
 def adaptive_tree_run(v2_engine, v2_host) -> dict[str, Any]:
     description = v2_engine("adaptive-tree", speculative_config=ADAPTIVE_TREE)
     assert description["speculator"].endswith("DraftTreeV2Speculator"), description
-    return v2_host.call("adaptive-tree", f"{__name__}:run_tree", [*PROMPTS, PROMPTS[1]],
-                        [GREEDY] * len(PROMPTS) + [SAMPLED])
+    # The last greedy request ends inside a tree (7 tokens) drafted by the sampled round.
+    return v2_host.call("adaptive-tree", f"{__name__}:run_tree",
+                        [*PROMPTS, PROMPTS[1], PROMPTS[2]],
+                        [GREEDY] * len(PROMPTS) + [SAMPLED, {**GREEDY, "max_tokens": 7}])
 
 
 def _assert_tree_steps(run: dict[str, Any], max_nodes: int) -> None:
@@ -114,11 +117,15 @@ def test_mtad_tree_greedy_under_preemption_and_mid_tree_ends_on_v2(mtad_tree_run
 
 
 def test_adaptive_tree_greedy_equals_no_speculation_on_v2(adaptive_tree_run, v2_reference):
-    """Greedy requests in a batch with a sampled one give the no-speculation tokens; the
-    sampled request runs its tree to its length."""
+    """Greedy requests in a batch with a sampled one give the no-speculation tokens, one of
+    them ending inside a tree; the sampled request runs its tree to its length. While the
+    sampled request is in the batch, the batch drafts by the sampled-children round (the
+    greedy rows take their top-``branching`` tokens per depth)."""
     outputs = adaptive_tree_run["outputs"]
     assert outputs[: len(PROMPTS)] == v2_reference
-    assert len(outputs[-1]) == SAMPLED["max_tokens"]
+    assert len(outputs[len(PROMPTS)]) == SAMPLED["max_tokens"]
+    assert outputs[-1] == v2_reference[2][:7]
+    assert adaptive_tree_run["sampled_rounds"] > 0
     _assert_tree_steps(adaptive_tree_run, 8)
 
 
