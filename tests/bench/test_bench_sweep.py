@@ -38,7 +38,8 @@ def test_twins_only_where_cost_control_applies():
         ("adaptive fixed", {"method": "adaptive", "cost_control": False}),
         ("eagle3 adaptive", {"method": "specx_eagle3", "adaptive": True}),
         ("eagle3 K", {"method": "specx_eagle3"}),
-        ("mtad", {"method": "mtad"}),
+        ("mtad", {"method": "mtad"}),  # its depth control is off unless given
+        ("mtad cc", {"method": "mtad", "cost_control": True}),
         ("draft_model", {"method": "draft_model"}),
         # Trees: only with cost_control given, and never a static paths tree.
         ("eagle3 tree", {"method": "specx_eagle3", "draft_tree": True}),
@@ -49,10 +50,10 @@ def test_twins_only_where_cost_control_applies():
     out = with_control_twins(named)
     twins = [(n, c) for n, c in out if n.endswith(OFF_SUFFIX)]
     assert [n for n, _ in twins] == ["adaptive" + OFF_SUFFIX, "eagle3 adaptive" + OFF_SUFFIX,
-                                     "eagle3 tree cc" + OFF_SUFFIX]
+                                     "mtad cc" + OFF_SUFFIX, "eagle3 tree cc" + OFF_SUFFIX]
     assert all(c["cost_control"] is False for _, c in twins)
     assert not any(cost_control_applies(c) for _, c in twins)
-    assert len(out) == len(named) + 3
+    assert len(out) == len(named) + 4
 
 
 def test_prompts_fill_the_batch():

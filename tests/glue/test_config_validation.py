@@ -219,6 +219,7 @@ def test_mtad_translates_to_draft_model_with_defaults():
     assert result.specx_settings == {
         "method": "mtad", "num_speculative_tokens": 4, "num_beams": 4,
         "acceptance_threshold": 0.1, "greedy_drafting": "chain", "draft_tree": False,
+        "cost_control": False,
     }
 
 

@@ -94,7 +94,7 @@ def test_plugin_is_active_in_the_engine_process_without_user_import(mtad_run):
     assert probe["rule"] == "mtad"
     assert probe["specx"] == {"method": "mtad", "num_speculative_tokens": 3, "num_beams": 2,
                               "acceptance_threshold": 0.1, "greedy_drafting": "chain",
-                              "draft_tree": False}
+                              "draft_tree": False, "cost_control": False}
 
 
 @pytest.mark.engine

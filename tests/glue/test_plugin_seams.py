@@ -151,6 +151,7 @@ def test_specx_method_builds_vllm_config_and_carries_settings(model_dir, monkeyp
     assert cfg.additional_config[SPECX_CONFIG_KEY] == {
         "method": "mtad", "num_speculative_tokens": 3, "num_beams": 2,
         "acceptance_threshold": 0.25, "greedy_drafting": "chain", "draft_tree": False,
+        "cost_control": False,
     }
     assert cfg.use_v2_model_runner is False
 
