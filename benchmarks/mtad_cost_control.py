@@ -83,25 +83,12 @@ def main() -> int:
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm_specx.bench.pairs import pair_inputs
     from vllm_specx.engine import default_dtype, ensure_cpu_env, make_llm, shutdown_llm
 
     ensure_cpu_env()
-    overrides: dict[str, Any] = {"max_num_seqs": args.batch}
-    if args.pair == "real":
-        from vllm_specx import real_pair
-        from vllm_specx.bench.prompts import read_jsonl
-
-        target = str(real_pair.ensure_target())
-        draft = str(real_pair.draft_dir())
-        pool = read_jsonl(real_pair.HELDOUT_PROMPTS).prompts
-        overrides["kv_cache_memory_bytes"] = 256 << 20
-    else:
-        from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
-
-        target_p, draft_p = fixture_model_dirs()
-        target, draft = str(target_p), str(draft_p)
-        pool = heldout_prompts(max(args.batch, 4))
-    prompts = (pool * (args.batch // len(pool) + 1))[: max(args.batch, 4)]
+    target, draft, prompts, overrides = pair_inputs(args.pair, max(args.batch, 4))
+    overrides["max_num_seqs"] = args.batch
     spec: dict[str, Any] = {"method": "mtad", "model": draft, "num_speculative_tokens": args.k}
     if args.num_beams is not None:
         spec["num_beams"] = args.num_beams

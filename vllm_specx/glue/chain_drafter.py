@@ -47,7 +47,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule, fixed_keep, step_needed
-from vllm_specx.glue.cost_model import CostControl, cost_control_for
+from vllm_specx.glue.cost_model import CostControl, cost_control_for, cost_control_stats
 from vllm_specx.glue.draft_passes import (
     RoundStart,
     SpecxPasses,
@@ -135,13 +135,7 @@ class ChainRound:
         self.head = load_acceptance_head(self.settings, self.device, dtype)
 
     def specx_stats(self) -> dict[str, Any]:
-        stats = self.stats.as_dict()
-        if self._cost_control is not None:
-            stats["cost_control"] = self._cost_control.describe()
-            holes = getattr(self, "_kv_holes", None)
-            if holes is not None:
-                stats["cost_control"]["idle_first_pass"] = holes.as_dict()
-        return stats
+        return cost_control_stats(self, self.stats.as_dict())
 
     # -- hooks ------------------------------------------------------------------------
 

@@ -83,6 +83,20 @@ def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
     return proposer._cost_control
 
 
+def cost_control_stats(proposer: Any, stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` (a drafter's ``DrafterStats`` dict for ``vllm-specx bench``) with the
+    cost control's model and plans under ``"cost_control"`` where it ran, and the skipped
+    first passes' catch-ups (``DraftKVHoles``) where the drafter has them; the chain
+    drafters and mtad's depth control report alike."""
+    control = getattr(proposer, "_cost_control", None)
+    if control is not None:
+        stats["cost_control"] = control.describe()
+        holes = getattr(proposer, "_kv_holes", None)
+        if holes is not None:
+            stats["cost_control"]["idle_first_pass"] = holes.as_dict()
+    return stats
+
+
 class _Regression:
     """Least squares ``y ~ x . theta`` with forgetting over fixed prior pseudo-points."""
 

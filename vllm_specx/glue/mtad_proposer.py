@@ -88,7 +88,12 @@ from vllm_specx.algorithms.beam_tails import (
 )
 from vllm_specx.algorithms.draft_stop import AlwaysContinue
 from vllm_specx.glue.beam_kv import BeamKVSlots
-from vllm_specx.glue.cost_model import CostControl, RoundPlan, cost_control_for
+from vllm_specx.glue.cost_model import (
+    CostControl,
+    RoundPlan,
+    cost_control_for,
+    cost_control_stats,
+)
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
@@ -444,13 +449,7 @@ class MTADRound:
     def specx_stats(self) -> dict[str, Any]:
         """The drafter's own counters for ``vllm-specx bench`` (``DrafterStats`` keys), and
         the depth control's model and plans when it ran (as the chain drafters report)."""
-        stats: dict[str, Any] = self.stats.as_dict()
-        if self._cost_control is not None:
-            stats["cost_control"] = self._cost_control.describe()
-            holes = getattr(self, "_kv_holes", None)
-            if holes is not None:
-                stats["cost_control"]["idle_first_pass"] = holes.as_dict()
-        return stats
+        return cost_control_stats(self, self.stats.as_dict())
 
 
 class MTADProposer(MTADRound, SpecxDraftModelProposer):
