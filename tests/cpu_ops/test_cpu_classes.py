@@ -110,7 +110,9 @@ def test_the_cpu_sensitive_tests_pass_as_an_avx2_host():
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-rs",
          "tests/cpu_ops/test_linear.py",
-         "tests/cpu_ops/test_cpu_classes.py::test_this_host_reports_a_class_and_the_matching_default"],
+         "tests/cpu_ops/test_cpu_classes.py::test_this_host_reports_a_class_and_the_matching_default",
+         # AVX2 kernels compute a row by its place in a product: attention must not care
+         "tests/cpu_ops/test_tree_attention.py::test_rows_are_batch_invariant"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail

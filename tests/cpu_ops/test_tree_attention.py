@@ -279,7 +279,7 @@ def _subject(kind: str, ctx: int, rand, num_heads: int, num_kv_heads: int, head:
 def test_rows_are_batch_invariant(dtype):
     """Issue 37, batch > 1: a request's decode, chain-verification, tree and (short)
     prefill rows give the same bits alone and inside batches of other requests of other
-    lengths (short, past one 256-key tile, past 512 keys; decodes, chains, trees and a
+    lengths (short, past many 32-key tiles, past 512 keys; decodes, chains, trees and a
     long prefill chunk), and each row is bit for bit the lone one-token decode at its
     position, under AVX-512/AMX kernels and AVX2 ones alike. Before the fix a
     batch's plain rows came from one product padded to its longest request and differed

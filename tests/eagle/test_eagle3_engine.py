@@ -69,6 +69,10 @@ def _prompts(target: str) -> dict[str, list[list[int]]]:
         "long": [tok("\n".join(texts[:4]))["input_ids"][:150], enc[4][:40], enc[5][:40]],
         "short": [e[:12] for e in enc[6:10]],
         "many": [e[:24] for e in enc[:8]],
+        # Very different lengths in one batch (3 tokens next to 200): batch-invariant
+        # attention keeps each request's rows what they are alone.
+        "lengths": [tok("\n".join(texts[4:10]))["input_ids"][:200], enc[6][:3],
+                    enc[7], enc[8][:12]],
         # A prompt whose 2nd token the test head drafts within the target's top 3 about
         # 70% of the time (both verification outcomes happen).
         "stat": [enc[4][:6]],
@@ -91,6 +95,7 @@ def runs(target: str, eagle3_head: str,
         out["plain_long"] = output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS)))
         out["plain_short"] = output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS)))
         out["plain_many"] = output_ids(generate(llm, prompts["many"], greedy(64)))
+        out["plain_lengths"] = output_ids(generate(llm, prompts["lengths"], greedy(NEW_TOKENS)))
 
     vllm_spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K}
     with running_llm(target, speculative_config=vllm_spec, **ENGINE_KW) as llm:
@@ -177,6 +182,7 @@ def runs(target: str, eagle3_head: str,
                               type(drafter).__name__)
         out["tree_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
         out["tree_long"] = output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS)))
+        out["tree_lengths"] = output_ids(generate(llm, prompts["lengths"], greedy(NEW_TOKENS)))
         # Requests that end while a tree is in flight (a few tokens each).
         ends = [greedy(n) for n in (2, 3, 5, 7)]
         out["tree_ends"] = output_ids(generate(llm, prompts["short"], ends))
@@ -353,6 +359,8 @@ def test_head_trees_equal_no_speculation_and_draft_the_chain_on_rank_0(runs):
     assert runs["tree_method"] == ("eagle3", "specx_eagle3", 8, "EagleChainProposer")
     assert runs["tree_ragged"] == runs["plain_ragged"]
     assert runs["tree_long"] == runs["plain_long"]
+    assert [len(p) for p in runs["prompts"]["lengths"]][:2] == [200, 3]
+    assert runs["tree_lengths"] == runs["plain_lengths"]  # batch > 1, lengths 3-200
     for n, got, want in zip((2, 3, 5, 7), runs["tree_ends"], runs["plain_short"]):
         assert got == want[:n]
     dynamic = runs["tree_dynamic_stats"]

@@ -6,13 +6,15 @@ KV cache layout (vLLM 0.32.0 ``CPU_ATTN``): one tensor per layer of shape
 ``key_cache`` and ``value_cache`` are non-contiguous ``[num_blocks, num_kv_heads,
 block_size, head_size]`` views. Every write below goes through those views in place.
 
-The attention itself is written for clarity and vectorised over requests: gather each
-request's keys/values through its block table into a padded ``[reqs, kv_heads,
-max_seq, head]`` tensor, build one boolean mask for every (request, query, key), and
-run a masked softmax in float32 (float64 for float64 inputs). A batch of one request
-without ALiBi, softcap, sinks or a key-cutting window (decoding and verification at
-batch 1) takes a shorter path with the same maths: its op count per layer is what a
-small model's step pays in Python and dispatch, not in arithmetic.
+Attention without ALiBi, softcap, sinks or a key-cutting window (every model this
+project runs) is batch-invariant (:func:`_attend_rows_alone`): each decode, chain
+verification or tree row is computed with exactly the product shapes of a lone one-token
+decode at its position, over its own keys in key tiles, so its bits do not depend on the
+other requests of the batch -- greedy speculation and batching stay exactly lossless.
+The other calls take a path written for clarity and vectorised over requests: gather
+each request's keys/values into a padded ``[reqs, kv_heads, max_seq, head]`` tensor,
+build one boolean mask for every (request, query, key), and run a masked softmax in
+float32 (float64 for float64 inputs); its rows depend on the batch in the last bit.
 
 Draft trees (issue 37) need one more rule: a tree request's query rows attend to the
 whole context but, among the step's own query rows, only to their ancestors. The op's
@@ -24,6 +26,7 @@ set, every request is causal as before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,12 +42,13 @@ MIN_MATMUL_ROWS = 4
 # Batch-invariant attention (see _attend_rows_alone): keys in tiles of KEY_TILE, products
 # of at most MAX_UNIT_M rows (a unit's query rows x a kv head's query heads), and at most
 # MAX_CALL_TILES key tiles gathered per batched call (memory: long prefills are split).
-KEY_TILE = 128
+KEY_TILE = 32
 MAX_UNIT_M = 64
-# Requests of at most this many query rows (decoding, chain verification, short prefill
-# chunks) get every row computed alone, as a one-token decode (see _plan_rows).
+# Where rows may not share a product (rows_share_products: AVX2 kernels), requests of at
+# most this many query rows (decoding, chain verification, short prefill chunks) get
+# every row computed alone, as a one-token decode (see _plan_rows).
 ROWS_ALONE = 16
-MAX_CALL_TILES = 128
+MAX_CALL_TILES = 256
 
 # ISA hints vLLM's CPU backend may pass; the reference computes the same thing for all.
 KNOWN_ISA_HINTS = frozenset({"amx", "amx_fp8", "vec", "vec16", "neon", "vxe", "rvv", "vsx"})
@@ -331,15 +335,19 @@ class _RowsPlan:
 
 
 def _plan_rows(batch: _Batch, block_table: torch.Tensor, block_size: int, group: int,
-               masks: QueryMasks | None, strides: tuple[int, ...]) -> _RowsPlan:
-    """Split the call's rows into units. A unit of one row is computed exactly as a lone
-    one-token decode computes it: every decode row, every row of a request of at most
-    ROWS_ALONE rows (a chain's verification rows, a short prefill chunk) and every tree
-    row (its own keys: the context, then the query rows its mask lets it see, in slot
-    order -- exactly the keys of the chain ending there). A longer prefill chunk's rows go
-    in units of up to ``MAX_UNIT_M // group`` consecutive rows sharing the request's keys
-    (one row per unit would copy the keys once per row)."""
+               masks: QueryMasks | None, strides: tuple[int, ...], head_size: int,
+               cdt: torch.dtype) -> _RowsPlan:
+    """Split the call's rows into units. A tree row is a unit of one row with its own
+    keys (the context, then the query rows its mask lets it see, in slot order --
+    exactly the keys of the chain ending there). A causal request's rows share its keys
+    in units of up to ``MAX_UNIT_M // group`` consecutive rows where
+    :func:`rows_share_products` says a row's bits do not depend on its place in a
+    product; elsewhere each row of a request of at most ROWS_ALONE rows (decoding, a
+    chain's verification, a short prefill chunk) is a unit of one row -- computed
+    exactly as a lone one-token decode, at the price of a copy of its keys per row --
+    and longer prefill chunks still go in shared units."""
     wide = max(1, MAX_UNIT_M // group)
+    shared = rows_share_products(group, head_size, cdt)
     units: list[tuple[list[int], list[int], torch.Tensor]] = []  # tokens, lims, slots
     trees = masks.tree_rows if masks is not None else {}
     qsl, q_lens, s_lens = batch.qsl.tolist(), batch.q_lens.tolist(), batch.s_lens.tolist()
@@ -358,7 +366,7 @@ def _plan_rows(batch: _Batch, block_table: torch.Tensor, block_size: int, group:
                 units.append(([first + i], [ctx + seen.shape[0]],
                               torch.cat((slots[:ctx], slots[ctx + seen]))))
             continue
-        step = 1 if n <= ROWS_ALONE else wide
+        step = wide if n > ROWS_ALONE or shared else 1
         for a in range(0, n, step):
             rows = list(range(a, min(a + step, n)))
             lims = [ctx + i + 1 for i in rows] if causal[r] else [s] * len(rows)
@@ -411,6 +419,46 @@ def _make_call(tok: torch.Tensor, lims: torch.Tensor, slot: torch.Tensor, block_
     return _Call(tok, rows, hidden, pad)
 
 
+@functools.cache
+def _probe_rows_share_products(group: int, head_size: int, cdt: torch.dtype,
+                               threads: int) -> bool:
+    """Whether this CPU's matrix kernels give a query row the same bits wherever it sits
+    in a product of up to MAX_UNIT_M rows (see :func:`rows_share_products`): each row
+    group of random ``[w * group, D] @ [D, 2 * KEY_TILE]`` and ``[w * group, KEY_TILE] @
+    [KEY_TILE, D]`` products against the same rows alone in a lone decode's product. A
+    kernel takes its path from the shapes, not the values, so random values show it."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(head_size, 2 * KEY_TILE, generator=gen, dtype=cdt)
+    values = torch.randn(KEY_TILE, head_size, generator=gen, dtype=cdt)
+    lone_m = max(group, MIN_MATMUL_ROWS)
+    for width in range(1, max(1, MAX_UNIT_M // group) + 1):
+        m = max(width * group, MIN_MATMUL_ROWS)
+        q = torch.randn(m, head_size, generator=gen, dtype=cdt)
+        p = torch.rand(m, KEY_TILE, generator=gen, dtype=cdt)
+        scores, ctx = q @ keys, p @ values
+        for i in range(width):
+            rows = slice(i * group, (i + 1) * group)
+            lone_q = q.new_zeros(lone_m, head_size)
+            lone_q[:group] = q[rows]
+            lone_p = p.new_zeros(lone_m, KEY_TILE)
+            lone_p[:group] = p[rows]
+            if not (torch.equal((lone_q @ keys)[:group], scores[rows])
+                    and torch.equal((lone_p @ values)[:group], ctx[rows])):
+                return False
+    return True
+
+
+def rows_share_products(group: int, head_size: int, cdt: torch.dtype) -> bool:
+    """Whether a request's query rows may share one product over its keys (units of up
+    to ``MAX_UNIT_M // group`` rows) and still get each row's lone-decode bits. True on
+    this project's AVX-512/AMX host; False under AVX2 kernels (MKL computes a 1-3 row
+    remainder past a 6-row block another way), where every decode and verification row
+    gets its own product and copy of its keys (exact, but a chain's keys are copied once
+    per row). Probed once per (shape, dtype, torch threads): a CPU is not guessed from
+    its name (MKL may run AVX2 kernels on an AVX-512 CPU of another vendor)."""
+    return _probe_rows_share_products(group, head_size, cdt, torch.get_num_threads())
+
+
 # The last plan and what it was made from: every layer of a forward calls the op with the
 # same batch, so the plan is made once per forward (checked by content, not identity).
 _PLAN_CACHE: list = []
@@ -432,19 +480,22 @@ def _cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]
 
 
 def _rows_plan(batch: _Batch, block_table: torch.Tensor, block_size: int, group: int,
-               masks: QueryMasks | None, strides: tuple[int, ...]) -> _RowsPlan:
+               masks: QueryMasks | None, strides: tuple[int, ...], head_size: int,
+               cdt: torch.dtype) -> _RowsPlan:
     n_blk = (batch.max_s + block_size - 1) // block_size
     table = block_table[:batch.num_reqs, :n_blk]
     if _PLAN_CACHE:
         (qsl, s_lens, causal, tab, key, m), plan = _PLAN_CACHE
-        if (m is masks and key == (block_size, group, strides) and tab.shape == table.shape
+        if (m is masks and key == (block_size, group, strides, head_size, cdt)
+                and tab.shape == table.shape
                 and qsl.shape == batch.qsl.shape and torch.equal(qsl, batch.qsl)
                 and torch.equal(s_lens, batch.s_lens)
                 and torch.equal(causal, batch.req_causal) and torch.equal(tab, table)):
             return plan
-    plan = _plan_rows(batch, block_table, block_size, group, masks, strides)
+    plan = _plan_rows(batch, block_table, block_size, group, masks, strides, head_size, cdt)
     _PLAN_CACHE[:] = [(batch.qsl.clone(), batch.s_lens.clone(), batch.req_causal.clone(),
-                       table.clone(), (block_size, group, strides), masks), plan]
+                       table.clone(), (block_size, group, strides, head_size, cdt), masks),
+                     plan]
     return plan
 
 
@@ -477,11 +528,14 @@ def _attend_rows_alone(
     8 columns, takes another path). The batch count of a batched product changes no
     element's bits on either. So:
 
-    * every product has a shape fixed by the unit alone: ``[M, D] @ [D, KEY_TILE]``
+    * every product has a shape fixed by its unit alone: ``[M, D] @ [D, P]`` (scores;
+      a key's score has the same bits whatever P, probed for P a multiple of KEY_TILE
+      up to 2048 on AVX-512 and AVX2 kernels)
       and ``[M, KEY_TILE] @ [KEY_TILE, D]`` batched over (unit, kv head, key tile),
       ``M`` = the unit's rows x the kv head's query heads, zero rows up to at least
-      MIN_MATMUL_ROWS; a one-row unit's query heads sit in the same rows as in a lone
-      decode, so its bits are the lone decode's on any kernel;
+      MIN_MATMUL_ROWS; a one-row unit's query heads sit in the rows of a lone decode's
+      product, so its bits are the lone decode's on any kernel, and units of several
+      rows are used only where :func:`rows_share_products` found the same bits;
     * keys are cut into tiles of KEY_TILE, each row's keys in its own chain's order from
       index 0 (a tree node's: context, then its ancestors and itself), zero past them;
     * the softmax runs over the unit's tiles with the keys a row does not see at -inf
@@ -489,10 +543,11 @@ def _attend_rows_alone(
     * the tiles' partial ``probs @ V`` are summed in tile order by ``cumsum`` (sequential,
       and a trailing all-zero tile adds exactly zero).
 
-    Prefill chunks of more than ROWS_ALONE rows go in units of up to ``MAX_UNIT_M //
-    group`` rows: still independent of the other requests and of the batch's longest
-    request; on AVX-512/AMX kernels bit for bit the lone decode too, on AVX2 ones they
-    can depend on how the prompt was cut into chunks.
+    Where rows may not share products (AVX2 kernels), prefill chunks of more than
+    ROWS_ALONE rows still go in shared units (one row per unit would copy a long
+    prompt's keys once per row): independent of the other requests and of the batch's
+    longest request, but a long prompt's rows can depend on how the scheduler cut it
+    into chunks there.
 
     The units are planned once per forward (:func:`_rows_plan`)."""
     _, num_kv_heads, block_size, head_size = key_cache.shape
@@ -505,7 +560,7 @@ def _attend_rows_alone(
         value_rows, v_strides = _cache_rows(value_cache.contiguous())
         key_rows, strides = _cache_rows(key_cache.contiguous())
     plan = _rows_plan(batch, block_table, block_size, group, masks,
-                      (*strides, num_kv_heads))
+                      (*strides, num_kv_heads), head_size, cdt)
     for call in plan.calls:
         rows = _attend_units(query, key_rows, value_rows, call, scale, num_kv_heads, cdt)
         valid = call.tok >= 0
@@ -541,8 +596,8 @@ def _attend_units(
     v = v.to(cdt)
     if call.pad is not None:
         v.view(-1, head_size).index_fill_(0, call.pad, 0.0)
-    # [U, kv, M, D] @ [U, kv, D, P]: one product over all keys (each key tile's scores
-    # are the bits a product over that tile alone gives: probed on both kernel kinds)
+    # [U, kv, M, D] @ [U, kv, D, P]: one product over all keys (a key's score does not
+    # depend on P: probed on both kernel kinds)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores.masked_fill_(call.hidden[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -694,9 +749,9 @@ def _softmax_keys_first(
     exactly as the row of plain decoding at its position (keys ``0 .. p``, nothing masked
     in between). The padded path's tree rows are then within 1e-5 of plain decoding;
     the product with V still sums the masked keys' zero weights with a blocking that
-    depends on the shape, so rows that must be bit for bit plain decoding are computed
-    again by :func:`_tree_rows_as_decoding` (all tree rows without ALiBi, softcap or
-    sinks; this keys-first softmax is what the rest keep). ``allowed``
+    depends on the shape (rows that must be bit for bit plain decoding -- every tree row
+    without ALiBi, softcap or sinks -- go through :func:`_attend_rows_alone` instead;
+    this keys-first softmax is what the rest keep). ``allowed``
     broadcasts against ``scores``; ancestors precede their children in slot order (BFS),
     so the seen keys keep the chain's order."""
     hidden = (~allowed).to(torch.int8).expand(scores.shape)
