@@ -95,8 +95,9 @@ def heldout_texts() -> list[str]:
     texts = []
     fixture = ROOT / "fixtures" / "models" / "heldout_prompts.jsonl"
     for line in fixture.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            texts.append(materialise_heldout(json.loads(line))["text"])
+        record = materialise_heldout(json.loads(line)) if line.strip() else None
+        if record is not None:  # None: not in this Python's stdlib (warned)
+            texts.append(record["text"])
     for line in (PROMPTS_DIR / "real_heldout.jsonl").read_text(encoding="utf-8").splitlines():
         if line.strip():
             texts.append(user_text(json.loads(line)["prompt"]))

@@ -906,6 +906,9 @@ def stage_report(cfg: BuildConfig, paths: Paths) -> dict[str, Any]:
         for line in paths.prompts.read_text().splitlines()
         if line
     ]
+    if any(r is None for r in records):  # aligned with heldout_ids: none may be left out
+        raise SystemExit("some held-out snippets are not in this Python's stdlib; build the "
+                         "fixtures with the Python they were built with (see REPORT.json)")
     heldout_ids = torch.load(paths.work / "heldout_ids.pt")
     models: dict[str, Any] = {}
     for name, model, path in (("target", target, paths.target), ("draft", draft, paths.draft)):

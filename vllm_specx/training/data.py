@@ -51,6 +51,8 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
                 raise ValueError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
             if isinstance(item, dict) and "prompt" not in item and "source" in item:
                 item = materialise_heldout(item)
+                if item is None:  # its stdlib file is gone from this Python (warned)
+                    continue
             if isinstance(item, dict):
                 item = item.get("prompt")
             if not isinstance(item, str) or not item:
