@@ -288,7 +288,7 @@ MTAD_COST_CONTROL = Knob(
     "from the engine's own measured step costs and the requests' acceptance so far; 0 is a "
     "plain decode step that skips the draft model. Off by default: mtad's sampled output "
     "depends on how much it drafts, and the control weighs only speed (docs/cost-control.md); "
-    "for greedy traffic whose drafts may not pay. V1 runner only, not with draft_tree",
+    "for greedy traffic whose drafts may not pay. Either model runner; not with draft_tree",
 )
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
@@ -455,6 +455,17 @@ def draft_model_tree(settings: Mapping[str, Any]) -> dict[str, int] | None:
 def tree_on(settings: Mapping[str, Any]) -> bool:
     """Whether the settings turn draft trees on."""
     return settings.get("draft_tree") not in (None, False)
+
+
+def drafts_ragged(settings: Mapping[str, Any]) -> bool:
+    """Whether the method's drafter, with these settings, may hand the scheduler fewer
+    drafts than K for a request (then scheduling must be synchronous: the scheduler must
+    see a step's real lengths before it schedules the next). ``mtad`` drafts K unless its
+    depth control is on (``"cost_control": true``: one depth 0..K per step)."""
+    spec = METHODS.get(settings.get("method", ""))
+    return bool(
+        (spec is not None and spec.ragged_drafts) or tree_on(settings)
+        or (settings.get("method") == "mtad" and settings.get("cost_control")))
 
 
 def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
@@ -715,12 +726,9 @@ METHODS: dict[str, MethodSpec] = {
             runs_on_v2=True,
             available=True,
             beam_width_knob="num_beams",
-            # The depth control plans in the V1 round (SpecxPasses.propose, before the
-            # first pass); the V2 speculator's round plans nothing yet.
-            v1_only_settings=(V1OnlySetting(
-                "cost_control", True,
-                "mtad's per-step depth is planned in the V1 draft round "
-                "(glue/mtad_proposer.py); on V2 mtad drafts a fixed K"),),
+            # "cost_control": true runs on V1 and V2 alike: both plan the step's depth
+            # before the first pass (SpecxPasses.propose, MTADV2Speculator) and hand a
+            # shallower round to the scheduler as ragged drafts (drafts_ragged).
         ),
         MethodSpec(
             name="adaptive",

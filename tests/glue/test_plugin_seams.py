@@ -190,6 +190,26 @@ def test_ragged_draft_methods_run_with_synchronous_scheduling(model_dir):
     assert "\n" not in str(err.value)
 
 
+def test_mtad_depth_control_runs_synchronously_on_either_runner(model_dir, monkeypatch):
+    """mtad with "cost_control": true drafts one depth 0..K per step (ragged lists to the
+    scheduler): async scheduling off, refused in one line naming cost_control when asked
+    for; it is no V1-only setting (issue 32): forcing Model Runner V2 meets no specx
+    refusal, only vLLM's own where Triton is missing. Without the control mtad keeps
+    vLLM's scheduling choice."""
+    spec = {"method": "mtad", "model": model_dir, "num_speculative_tokens": 3,
+            "num_beams": 2, "cost_control": True}
+    assert METHODS["mtad"].v1_only_reason(spec) is None
+    cfg = engine_config(model_dir, dict(spec))
+    assert cfg.scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match="'mtad' with cost_control: it drafts") as err:
+        engine_config(model_dir, dict(spec), async_scheduling=True)
+    assert "\n" not in str(err.value)
+    engine_config(model_dir, {**spec, "cost_control": False}, async_scheduling=True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="Model Runner V2 requires Triton"):
+        engine_config(model_dir, dict(spec))
+
+
 def test_v2_runner_request_is_refused_for_what_runs_on_v1_only(model_dir, monkeypatch):
     """Forcing V2 is refused, naming the reason, for a method that runs on V1 only
     (specx_eagle) and for a setting that keeps a V2 method on V1: docs/model-runners.md

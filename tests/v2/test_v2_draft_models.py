@@ -24,7 +24,11 @@ pytestmark = pytest.mark.engine
 ADAPTIVE_K = 6
 ADAPTIVE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": ADAPTIVE_K,
             "confidence_threshold": 0.4, "cost_control": False}  # lengths not from timings
-MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}
+# "cost_control": true (mtad's per-step depth, issue 32) as a user starts it: the runner
+# schedules synchronously; the control is off for mtad_run (K every step) and on, with a
+# fixed cost model and scripted acceptance, in test_mtad_depth_control_on_v2.
+MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2,
+        "cost_control": True}
 # KV for 4 blocks of 32 tokens (target 4096 + draft 1024 bytes a token in float32): the
 # 70-token prompt's request still fits alone (max_model_len); five copies of the 17-token
 # prompt start in one block each and need a second one near their 10th output token
@@ -160,11 +164,52 @@ def test_adaptive_cost_control_on_v2(adaptive_run, v2_engine, v2_host, v2_refere
     assert run["stats"]["cost_control"]["all_zero_steps"] > 0
 
 
+def run_mtad(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]],
+             depth_control: bool) -> dict[str, Any]:
+    """Runs in the V2 host: :func:`run_recorded` on the mtad engine, its depth control off
+    (every step drafts K) or on with a fixed cost model and scripted acceptance: every
+    request looks hopeless on two steps of each five (depth 0: runs of all-zero steps),
+    middling on one (a depth between 1 and K - 1) and good on the others (depth K),
+    whatever the clock does. Also returns the control's depths per step."""
+    import numpy as np
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.testing.v2_engine import runner_of
+
+    speculator = runner_of(llm).speculator
+    configured = speculator.settings["cost_control"]
+    k = speculator.num_speculative_tokens
+    speculator.settings = {**speculator.settings, "cost_control": depth_control}
+    speculator._cost_control = None
+    control = None
+    if depth_control:
+        control = speculator.cost_control(k)
+        control.fixed_costs = StepCosts(1.0, 0.02, 0.02, 0.02, 0.01)
+        control.history.probe_interval = 10**9  # no probes: zero means zero
+        step = 0
+
+        def rates(req_ids: list[str]) -> Any:
+            nonlocal step
+            step += 1
+            return np.full((len(req_ids), k), {1: 0.02, 2: 0.02, 3: 0.3}.get(step % 5, 0.97))
+
+        control.history.rates = rates
+    try:
+        run = run_recorded(llm, prompts, samplings)
+    finally:
+        speculator.settings = {**speculator.settings, "cost_control": configured}
+        speculator._cost_control = None
+    run["configured_cost_control"] = configured
+    run["depths"] = {} if control is None else dict(control.stats.depths)
+    return run
+
+
 @pytest.fixture(scope="module")
 def mtad_run(v2_engine, v2_host) -> dict[str, Any]:
     description = v2_engine("mtad", speculative_config=MTAD)
     assert description["speculator"].endswith("MTADV2Speculator"), description
-    return v2_host.call("mtad", f"{__name__}:run_recorded", PROMPTS, [GREEDY] * len(PROMPTS))
+    return v2_host.call("mtad", f"{__name__}:run_mtad", PROMPTS, [GREEDY] * len(PROMPTS),
+                        False)
 
 
 def _ragged_requests() -> tuple[list[list[int]], list[dict[str, Any]]]:
@@ -185,6 +230,28 @@ def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
     assert stats["tail_forward_passes"] == (MTAD["num_speculative_tokens"] - 1) * stats["rounds"]
     assert stats["drafted_tokens"] == 3 * stats["requests"]
     assert all(not step for step in mtad_run["drafted"])  # not ragged: K placeholders
+
+
+def test_mtad_depth_control_on_v2(mtad_run, v2_host, v2_reference):
+    """mtad's depth control on Model Runner V2 as on V1 (issue 32): "cost_control": true
+    reached the V2 speculator and made the runner schedule synchronously; on, the depth
+    changes step to step (0, between, K), greedy output equals no speculation, and the
+    scheduler receives each step's planned depth for every request (0: no drafts)."""
+    assert mtad_run["configured_cost_control"] is True
+    assert mtad_run["async_scheduling"] is False
+    run = v2_host.call("mtad", f"{__name__}:run_mtad", PROMPTS, [GREEDY] * len(PROMPTS), True)
+    assert run["outputs"] == v2_reference
+    k = MTAD["num_speculative_tokens"]
+    depths = {int(d) for d in run["depths"]}
+    assert {0, k} <= depths and depths - {0, k}, run["depths"]
+    drafted, received = run["drafted"], run["received"]
+    assert len(drafted) == len(received) > 0
+    assert all(got == lengths for got, lengths in zip(received, drafted) if lengths)
+    # One depth for the whole batch each step; all-zero steps reach the scheduler as such.
+    decode = [step for step in drafted if len(step) == len(PROMPTS)]
+    assert all(len(set(step.values())) == 1 for step in decode)
+    assert any(not any(step.values()) for step in decode)
+    assert {0, k} <= {n for step in decode for n in step.values()} <= depths
 
 
 # MTAD under preemption with requests ending inside a draft: test_v2_trees.py runs these

@@ -294,8 +294,13 @@ class MTADRound:
         plan = start.plan
         if plan is not None:
             k = min(k, int(plan.caps.max()) if plan.caps.numel() else 0)
-        logits = self.model.compute_logits(start.out)
         self.last_sample_positions = sample_positions
+        if k == 0 and plan is not None:
+            # The depth control planned 0 and the first pass ran all the same: no logits,
+            # no round, and the plan already ended the control's round; the empty lists
+            # tell the scheduler (V2: take_draft_lengths) there is no draft.
+            return [[] for _ in range(num_reqs)]
+        logits = self.model.compute_logits(start.out)
         if k == 0:
             if self._cost_control is not None:
                 # A step without a round: the next interval would span two steps.

@@ -28,7 +28,7 @@ from vllm_specx.glue.patch_base import VllmPatch
 from vllm_specx.glue.tree_step import TREE_STEP_PATCHES
 from vllm_specx.glue.v2_patches import V2_PATCHES
 from vllm_specx.glue.v2_tree_step import V2_TREE_STEP_PATCHES
-from vllm_specx.methods import METHODS, tree_on
+from vllm_specx.methods import METHODS, drafts_ragged, tree_on
 
 logger = logging.getLogger("vllm.specx")  # under vLLM's logger: same handlers and format
 
@@ -181,31 +181,38 @@ def device_v1_only_reason(settings: Any, backend: Any = None) -> str | None:
     return backend.limits.reason_no_draft_tree_v2 or None
 
 
-def runner_announcement(method: str, v1_reason: str | None) -> str:
-    """The line logged before start: the model runner the method will run on, as vLLM
-    chooses it (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when
-    set, else V1 for a method or setting that runs on V1 only (this plugin adds it to
-    vLLM's V2 opt-out list) or without Triton (the CPU wheel), else V2 unless vLLM finds
-    another feature V2 lacks (vLLM then logs which, and the runner's own line,
-    ``runner_hook.install_specx_components``, says V1)."""
+def runner_choice(v1_reason: str | None) -> tuple[bool, str]:
+    """The model runner a specx config will run on, as vLLM chooses it
+    (``VllmConfig.use_v2_model_runner``), and why: ``(True, why)`` for Model Runner V2.
+    ``VLLM_USE_V2_MODEL_RUNNER`` when set, else V1 for a method or setting that runs on V1
+    only (this plugin adds it to vLLM's V2 opt-out list) or without Triton (the CPU
+    wheel), else V2 unless vLLM finds another feature V2 lacks (vLLM then logs which, and
+    the runner's own line, ``runner_hook.install_specx_components``, says V1)."""
     from vllm_specx.envflags import parse_flag
 
     value = os.environ.get(V2_RUNNER_ENV, "").strip()
     forced = parse_flag(V2_RUNNER_ENV, value) if value else None
     if forced is False:
-        return f"vllm-specx: {method} on Model Runner V1 ({V2_RUNNER_ENV}={value})"
+        return False, f"{V2_RUNNER_ENV}={value}"
     if v1_reason is not None:
-        return f"vllm-specx: {method} on Model Runner V1 (it runs on V1 only: {v1_reason})"
-    declaration = V2_CUDAGRAPH_DECLARATION[METHODS[method].v2_cudagraph]
+        return False, f"it runs on V1 only: {v1_reason}"
     if forced:
-        return f"vllm-specx: {method} on Model Runner V2 ({V2_RUNNER_ENV}={value}): {declaration}"
+        return True, f"{V2_RUNNER_ENV}={value}"
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
-        return (f"vllm-specx: {method} on Model Runner V1 (vLLM's choice: Model Runner V2 "
-                "needs Triton)")
-    return (f"vllm-specx: {method} on Model Runner V2 (vLLM's default; V1 if vLLM finds a "
-            f"feature V2 lacks, which it logs): {declaration}")
+        return False, "vLLM's choice: Model Runner V2 needs Triton"
+    return True, "vLLM's default; V1 if vLLM finds a feature V2 lacks, which it logs"
+
+
+def runner_announcement(method: str, v1_reason: str | None) -> str:
+    """The line logged before start: the model runner the method will run on
+    (:func:`runner_choice`) and, on V2, what it captures in CUDA graphs."""
+    v2, why = runner_choice(v1_reason)
+    if not v2:
+        return f"vllm-specx: {method} on Model Runner V1 ({why})"
+    declaration = V2_CUDAGRAPH_DECLARATION[METHODS[method].v2_cudagraph]
+    return f"vllm-specx: {method} on Model Runner V2 ({why}): {declaration}"
 
 
 class SpeculativeConfigTranslation(VllmPatch):
@@ -269,13 +276,17 @@ class SpeculativeConfigTranslation(VllmPatch):
                     f'speculative_config["method"] = "{method}" runs on vLLM\'s V1 model '
                     f"runner only ({v1_reason}): unset VLLM_USE_V2_MODEL_RUNNER=1."
                 )
-            # docs/model-runners.md: the runner, and CUDA graphs on V2, before start.
-            logger.info("%s", runner_announcement(method, v1_reason))
             if backend.name == "cuda" and tree_on(result.specx_settings):
-                # docs/trees.md "On CUDA and Ascend": TRITON_ATTN, eager, one line.
+                # docs/trees.md "On CUDA and Ascend": TRITON_ATTN, eager and the runner
+                # (V1 or V2, as vLLM will pick it) in one line.
+                v2, why = runner_choice(v1_reason)
                 logger.info("%s", prepare_cuda_tree_engine(
                     self_, target_model_config, method,
-                    result.specx_settings.get("draft_tree")))
+                    result.specx_settings.get("draft_tree"),
+                    runner=f"Model Runner {'V2' if v2 else 'V1'} ({why})"))
+            else:
+                # docs/model-runners.md: the runner, and CUDA graphs on V2, before start.
+                logger.info("%s", runner_announcement(method, v1_reason))
             for engine_check in METHODS[method].engine_checks:
                 engine_check()(target_model_config, result.specx_settings,
                                result.vllm_speculative_config.get("model"))
@@ -283,15 +294,19 @@ class SpeculativeConfigTranslation(VllmPatch):
                                           target_model_config, target_parallel_config)
             if refusal is not None:  # docs/scaling-out.md: what runs under TP/DP/PP
                 raise refusal
-            if METHODS[method].ragged_drafts or tree_on(result.specx_settings):
+            if drafts_ragged(result.specx_settings):
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.
                 if self_.async_scheduling:
+                    settings = result.specx_settings
+                    with_knob = (" with draft_tree" if tree_on(settings) else
+                                 " with cost_control" if not METHODS[method].ragged_drafts
+                                 else "")
                     raise SpecxConfigError(
                         f"async_scheduling = true is not allowed with speculative method "
-                        f"'{method}'{' with draft_tree' if tree_on(result.specx_settings) else ''}"
-                        ": it drafts a different number of tokens per request, "
-                        "which the scheduler must see; leave async_scheduling unset or false."
+                        f"'{method}'{with_knob}: it drafts a different number of tokens "
+                        "per request or step, which the scheduler must see; leave "
+                        "async_scheduling unset or false."
                     )
                 self_.async_scheduling = False
             logger.info("vllm-specx: method %r -> vLLM %r with settings %s",

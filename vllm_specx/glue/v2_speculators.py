@@ -174,6 +174,10 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
 
     # The validated specx settings: set by install_v2_speculator before load_model.
     settings: dict[str, Any]
+    # True: ``propose`` asks the round for its plan before the first pass
+    # (``plan_before_first_pass``, as V1's ``SpecxPasses.propose``) and hands it to the
+    # round as ``start.plan``; False: the round plans after the first pass, if at all.
+    plans_before_first_pass: bool = False
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device)
@@ -303,6 +307,13 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
             dp_sync_state.num_tokens_across_dp if dp_sync_state is not None else None
         )
         self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
+        req_ids = tuple(input_batch.req_ids[:num_reqs])
+        plan = None
+        if self.plans_before_first_pass and k > 0:
+            # The round's plan before its first pass, as V1's SpecxPasses.propose makes it
+            # (mtad's depth for the step: it plans nowhere else).
+            plan = self.plan_before_first_pass(k, req_ids, num_rejected[:num_reqs],
+                                               int(input_batch.num_tokens))
         self._catch_first_pass = True
         try:
             self._prefill(input_batch, num_rejected, last_sampled, num_reqs, False,
@@ -320,8 +331,7 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
                         input_batch.idx_mapping[:num_reqs]]),
             int(input_batch.num_tokens) + num_reqs,
             sample_positions + 1,
-            tuple(input_batch.req_ids[:num_reqs]), num_rejected[:num_reqs],
-            int(input_batch.num_tokens),
+            req_ids, num_rejected[:num_reqs], int(input_batch.num_tokens), plan,
         )
         drafts = self.draft_round(
             start, self.sampling_view(input_batch, temperature, seeds, sample_positions))
@@ -362,7 +372,11 @@ class AdaptiveV2Speculator(ChainRound, SpecxV2DraftSpeculator):
 class MTADV2Speculator(MTADRound, SpecxV2DraftSpeculator):
     """``mtad`` on Model Runner V2: the beam-search round (``glue/mtad_proposer.py``)
     after vLLM's V2 first pass, every beam of a depth in one pass in its own KV slots
-    (``glue/beam_kv.py``'s scratch region, as on V1)."""
+    (``glue/beam_kv.py``'s scratch region, as on V1). With ``cost_control`` the step's
+    depth ``0..K`` is planned before the first pass (``MTADRound.plan_before_first_pass``)
+    and a shallower round reaches the scheduler as ragged lists (``take_draft_lengths``)."""
+
+    plans_before_first_pass = True
 
 
 class DraftTreeV2Speculator(MTADRound, SpecxV2DraftSpeculator):
