@@ -168,11 +168,12 @@ def test_a_tree_config_on_cuda_gets_triton_attn_and_eager(backend) -> None:
 
     args = _engine_args(attention_backend=backend)
     model = _model_config()
-    line = prepare_cuda_tree_engine(args, model, "adaptive", {"max_nodes": 8})
+    line = prepare_cuda_tree_engine(args, model, "adaptive", {"max_nodes": 8},
+                                    runner="Model Runner V2 (why)")
     assert args.attention_backend in (AttentionBackendEnum.TRITON_ATTN, "TRITON_ATTN")
     assert args.enforce_eager and model.enforce_eager
     assert "\n" not in line and "TRITON_ATTN" in line and "eager" in line
-    assert "CUDA graph" in line and "Model Runner V1" in line
+    assert "CUDA graph" in line and line.endswith("; on Model Runner V2 (why).")
     assert ("switched" in line) == (backend in (None, "auto"))
 
 
@@ -184,7 +185,8 @@ def test_a_tree_config_on_cuda_gets_triton_attn_and_eager(backend) -> None:
 def test_a_tree_config_on_cuda_is_refused_in_one_line(kw, fragment) -> None:
     args = _engine_args(**kw)
     with pytest.raises(SpecxConfigError) as info:
-        prepare_cuda_tree_engine(args, _model_config(), "specx_eagle3", True)
+        prepare_cuda_tree_engine(args, _model_config(), "specx_eagle3", True,
+                                 runner="Model Runner V2 (why)")
     message = str(info.value)
     assert "\n" not in message and fragment in message, message
     assert message.startswith('speculative_config["draft_tree"] = True is not allowed for '

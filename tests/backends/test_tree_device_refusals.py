@@ -1,8 +1,8 @@
 """A draft tree on a device that cannot verify one yet is refused before start in one line
 that gives the device backend's own reason (``DeviceLimits.reason_no_draft_tree``): on
-Ascend the tree mask is not routed and tree size + 1 <= 16. CPU and CUDA verify trees;
-on CUDA on vLLM's V1 runner only (``reason_no_draft_tree_v2``), which vLLM is told through
-its V2 opt-out list (``specx_selects_v1_runner``)."""
+Ascend the tree mask is not routed and tree size + 1 <= 16. CPU and CUDA verify trees, on
+either runner (issue 34: Model Runner V2 on CUDA too, so a tree config is no longer sent to
+V1 there), and the one line logged before start on CUDA names the runner."""
 
 from __future__ import annotations
 
@@ -49,14 +49,65 @@ def test_cpu_and_cuda_have_no_tree_refusal(method, device) -> None:
 
 
 @pytest.mark.parametrize("method", sorted(TREES))
-def test_trees_on_cuda_select_the_v1_runner(method) -> None:
-    """On CUDA a tree config needs the V1 runner, with the reason in vLLM's opt-out list;
-    a chain config of the same method, and any config on CPU, has no such reason."""
+def test_trees_on_cuda_are_not_pushed_to_v1(method) -> None:
+    """Issue 34: Model Runner V2 runs tree steps on CUDA too, so no backend gives a tree
+    config a V1-only reason any more (vLLM's own choice stands: V2 by default)."""
     from vllm_specx.glue.patches import device_v1_only_reason
 
     settings = _translate(TREES[method], "cuda").specx_settings
-    cuda = backend_for_device("cuda")
-    reason = device_v1_only_reason(settings, cuda)
-    assert reason == cuda.limits.reason_no_draft_tree_v2 and "V1 model runner" in reason
-    assert device_v1_only_reason(settings, backend_for_device("cpu")) is None
-    assert device_v1_only_reason({**settings, "draft_tree": False}, cuda) is None
+    for device in ("cpu", "cuda"):
+        assert backend_for_device(device).limits.reason_no_draft_tree_v2 == ""
+        assert device_v1_only_reason(settings, backend_for_device(device)) is None
+
+
+@pytest.mark.parametrize("env, runner", [
+    (None, "on Model Runner V2 (vLLM's default; V1 if vLLM finds a feature V2 lacks"),
+    ("1", "on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)."),
+    ("0", "on Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0)."),
+])
+def test_the_one_cuda_tree_line_names_the_runner(env, runner, monkeypatch) -> None:
+    """The speculative-config patch on a (simulated) CUDA platform with Triton: a tree
+    config is not refused with VLLM_USE_V2_MODEL_RUNNER=1, gets TRITON_ATTN and eager,
+    and the one line before start names the runner vLLM will pick (and no second,
+    contradicting runner line is logged)."""
+    import logging
+
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import vllm_specx.backends
+    from vllm_specx.fixtures import fixtures_root
+    from vllm_specx.glue import patches
+
+    monkeypatch.setattr(vllm_specx.backends, "select_backend",
+                        lambda: backend_for_device("cuda"))
+    monkeypatch.setattr(patches, "_vllm_has_triton", lambda: True)  # as on a GPU host
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.specx")
+    keep, level = Keep(), logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.INFO)
+    try:
+        root = fixtures_root()
+        args = EngineArgs(model=str(root / "target"), speculative_config={
+            **TREES["adaptive"], "model": str(root / "draft")})
+        args.create_speculative_config(args.create_model_config(), ParallelConfig())
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+    said = [line for line in lines if "Model Runner" in line]
+    assert len(said) == 1, said
+    assert "with draft_tree on CUDA" in said[0] and "TRITON_ATTN" in said[0], said
+    assert "eager" in said[0] and runner in said[0], said
+    assert args.enforce_eager
+    assert args.attention_backend == AttentionBackendEnum.TRITON_ATTN

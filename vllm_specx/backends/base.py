@@ -21,6 +21,13 @@ from vllm_specx.algorithms.verify import VerifyBatch
 # :func:`vllm_specx.algorithms.verify.verify`'s.
 VerifyFn = Callable[[VerifyBatch], torch.Tensor]
 
+# A draft tree's KV compaction (issues 37 and 34): ``copy_slots(kv_cache, src, dst)`` moves
+# the K and V of slots ``src[i]`` to ``dst[i]`` in ONE layer's cache, in place, in the
+# layout of the attention backend a tree config runs on with this device (every source
+# read before any destination is written). Both runners' tree steps call it through the
+# selected backend, so the device decides the layout in one place.
+CopySlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
 
 # vLLM's rejection sampler asserts ``max_spec_len <= MAX_SPEC_LEN``
 # (vllm/v1/sample/rejection_sampler.py, 128 in vLLM 0.32) and the specx sampler keeps
@@ -56,8 +63,9 @@ class DeviceLimits:
     # refusal, so the line names this device's own reason, written in one place.
     reason_no_draft_tree: str = ""
     # Draft trees that run on vLLM's V1 runner here but not on Model Runner V2 yet: why
-    # ("" = no such limit). A tree config then runs on V1 (vLLM is told so through the
-    # V2 opt-out list, and VLLM_USE_V2_MODEL_RUNNER=1 is refused in one line).
+    # ("" = no such limit; no backend sets it since trees run on V2 on CUDA too, issue
+    # 34). A tree config then runs on V1 (vLLM is told so through the V2 opt-out list,
+    # and VLLM_USE_V2_MODEL_RUNNER=1 is refused in one line).
     reason_no_draft_tree_v2: str = ""
 
     def speculative_tokens_limit(self) -> tuple[int, str]:
@@ -72,10 +80,12 @@ class DeviceLimits:
 
 @dataclass(frozen=True)
 class Backend:
-    """One device backend: a name, its limits, and its verification kernel."""
+    """One device backend: a name, its limits, its verification kernel and its draft
+    tree KV move."""
 
     name: str  # "cuda", "npu" or "cpu"
     kernel_impl: str  # e.g. "triton", "torch"
     limits: DeviceLimits
     verify: VerifyFn
+    copy_slots: CopySlotsFn
     description: str = ""

@@ -6,11 +6,12 @@ importing this module (config validation does) needs neither Triton nor a GPU. R
 reports device type "cuda" and runs the same kernels.
 
 Draft trees: :func:`tree_attention` is the one-call-per-layer attention a tree step
-needs on CUDA (tested against the CPU tree attention under the Triton interpreter). On
-vLLM's V1 runner a tree config runs with the target on vLLM's ``TRITON_ATTN`` backend,
-whose forward is routed to it during a tree step (``glue/cuda_tree_attention.py``);
-Model Runner V2 on CUDA is not wired (:data:`REASON_NO_DRAFT_TREE_V2`), so a tree config
-runs on V1 there.
+needs on CUDA (tested against the CPU tree attention under the Triton interpreter), and
+:func:`copy_slots` the accepted path's KV move in the cache layout of vLLM's
+``TRITON_ATTN`` backend. A tree config runs with the target on that backend, whose
+forward is routed to the tree kernel during a tree step (``glue/cuda_tree_attention.py``),
+on vLLM's V1 runner or Model Runner V2 (vLLM's default; issue 34: the V2 tree step sets
+the same masks and compacts through :func:`copy_slots` too).
 """
 
 from __future__ import annotations
@@ -20,13 +21,8 @@ import torch
 from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.backends.base import Backend, DeviceLimits
 
-__all__ = ["BACKEND", "REASON_NO_DRAFT_TREE_V2", "tree_attention", "verify"]
+__all__ = ["BACKEND", "copy_slots", "tree_attention", "verify"]
 
-REASON_NO_DRAFT_TREE_V2 = (
-    "draft trees on CUDA run on vLLM's V1 model runner: Model Runner V2's tree step "
-    "sets the tree masks for the CPU attention only, and its CUDA attention path (the "
-    "Triton tree kernel through V2's attention metadata) is not wired yet"
-)
 
 
 def verify(batch: VerifyBatch) -> torch.Tensor:
@@ -49,6 +45,24 @@ def tree_attention(*args, **kwargs) -> torch.Tensor:
     return triton_tree_attention.tree_attention(*args, **kwargs)
 
 
+def copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
+               dst_slots: torch.Tensor) -> None:
+    """A tree step's KV move (contract: :data:`vllm_specx.backends.base.CopySlotsFn`) in
+    one layer's ``TRITON_ATTN`` cache (logical ``[blocks, kv heads, block, 2 * head]``, K
+    and V side by side per slot; any physical order), in place, by device indexing: no
+    host sync. ``src_slots`` / ``dst_slots`` on the cache's device (a host tensor is
+    moved there). Every source is read (gathered into a copy) before any destination is
+    written, so overlapping moves are safe."""
+    if src_slots.numel() == 0:
+        return
+    block_size = kv_cache.shape[2]
+    by_slot = kv_cache.transpose(1, 2)  # [blocks, block, kv heads, 2 * head], a view
+    src = src_slots.to(device=kv_cache.device, dtype=torch.int64)
+    dst = dst_slots.to(device=kv_cache.device, dtype=torch.int64)
+    moved = by_slot[src // block_size, src % block_size]  # a copy: [n, kv heads, 2 * head]
+    by_slot[dst // block_size, dst % block_size] = moved
+
+
 BACKEND = Backend(
     name="cuda",
     kernel_impl="triton",
@@ -56,8 +70,8 @@ BACKEND = Backend(
         max_num_speculative_tokens=None,
         max_beam_positions=256,
         reason_max_beam_positions="the beam drafter batches num_beams * K tails per request",
-        reason_no_draft_tree_v2=REASON_NO_DRAFT_TREE_V2,
     ),
     verify=verify,
+    copy_slots=copy_slots,
     description="Triton kernels (also run on CPU under TRITON_INTERPRET=1 in tests)",
 )

@@ -32,7 +32,8 @@ from vllm_specx.algorithms.verify import VerifyBatch
 from vllm_specx.algorithms.verify import verify as torch_verify
 from vllm_specx.backends.base import Backend, DeviceLimits
 
-__all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "REASON_NO_DRAFT_TREE", "verify"]
+__all__ = ["BACKEND", "ASCEND_MAX_QUERY_TOKENS", "REASON_NO_DRAFT_TREE", "copy_slots",
+           "verify"]
 
 ASCEND_MAX_QUERY_TOKENS = 16  # npu_fused_infer_attention_score, TND layout
 
@@ -55,6 +56,16 @@ def verify(batch: VerifyBatch) -> torch.Tensor:
     return torch_verify(batch.with_float32_randomness())
 
 
+def copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
+               dst_slots: torch.Tensor) -> None:
+    """No tree KV move on Ascend: a tree config is refused there before start
+    (:data:`REASON_NO_DRAFT_TREE`), so a call means that refusal was bypassed; vLLM-Ascend's
+    cache layout was never checked for it, so it raises rather than guess."""
+    raise NotImplementedError(
+        "vllm-specx: no draft-tree KV compaction on Ascend NPUs (draft_tree is refused "
+        "there before start: " + REASON_NO_DRAFT_TREE + ")")
+
+
 BACKEND = Backend(
     name="npu",
     kernel_impl="torch",
@@ -72,5 +83,6 @@ BACKEND = Backend(
         reason_no_draft_tree=REASON_NO_DRAFT_TREE,
     ),
     verify=verify,
+    copy_slots=copy_slots,
     description="torch ops that torch_npu supports; no Triton",
 )

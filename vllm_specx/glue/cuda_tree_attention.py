@@ -11,7 +11,9 @@ and moves the accepted path's K/V with ``cpu_attn_copy_slots``. The CUDA counter
   (:mod:`vllm_specx.backends.triton_tree_attention`; why not vLLM's ``qq_bias``: there).
 * :func:`tree_forward_refusal`: the layer features the kernel does not have (ALiBi,
   soft-capping, sliding windows, sinks, quantised KV caches, encoder attention), one line.
-* :func:`copy_slots`: the accepted path's K/V moved in the Triton backend's cache layout.
+* ``copy_slots``: the accepted path's K/V moved in the Triton backend's cache layout
+  (:func:`vllm_specx.backends.cuda.copy_slots`, the CUDA backend's ``copy_slots``, which
+  both runners' compaction calls through ``backends.select_backend``).
 
 * :class:`TritonTreeRoute`: the named patch (``triton_attention_tree_route``) of
   ``TritonAttentionImpl.forward`` that calls :func:`tree_forward` while a forward's tree
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from vllm_specx.backends import cuda as _cuda_backend
 from vllm_specx.cpu_ops.attention import active_query_masks as _active_query_masks
 from vllm_specx.glue.patch_base import VllmPatch
 
@@ -94,11 +97,14 @@ def _backend_name(value: Any) -> str | None:
 
 
 def prepare_cuda_tree_engine(engine_args: Any, model_config: Any, method: str,
-                             tree: Any) -> str:
+                             tree: Any, *, runner: str) -> str:
     """Before start, for a ``draft_tree`` config on CUDA: refuse in one line what the tree
     kernel cannot stand in for, put the target on vLLM's ``TRITON_ATTN`` backend (vLLM
     picks FlashAttention on NVIDIA by default, which takes no per-request mask) and make
-    the engine eager; returns the one log line that says so.
+    the engine eager; returns the one log line that says so and names ``runner`` (the
+    model runner vLLM will pick and why: ``patches.runner_choice``). Both runners run
+    tree steps on CUDA; eager on both (no CUDA graph: V2's capture is switched off by
+    ``enforce_eager`` as V1's is).
 
     ``engine_args`` is the ``EngineArgs`` being turned into a ``VllmConfig`` (its
     attention backend is read after the speculative config, so setting it here takes
@@ -135,7 +141,7 @@ def prepare_cuda_tree_engine(engine_args: Any, model_config: Any, method: str,
             f"{chose} vLLM's {TRITON_ATTN} backend, whose layers run vllm-specx's Triton "
             "tree kernel during tree steps (glue/cuda_tree_attention.py); the engine runs "
             "eager (enforce_eager: no CUDA graph is captured for the target, the drafter "
-            "or the tree steps, and nothing is torch.compiled); Model Runner V1.")
+            f"or the tree steps, and nothing is torch.compiled); on {runner}.")
 
 
 def tree_forward_args(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -214,19 +220,10 @@ def _twin(masks: Any, device: torch.device) -> tuple[Any, torch.device, Any, int
     return _TWIN
 
 
-def copy_slots(kv_cache: torch.Tensor, src_slots: torch.Tensor,
-               dst_slots: torch.Tensor) -> None:
-    """Copy the K and V of slots ``src_slots[i]`` to ``dst_slots[i]`` in one layer's
-    Triton-backend cache (logical ``[blocks, kv heads, block, 2 * head]``, K and V side by
-    side per slot; any physical order), in place. Every source is read before any
-    destination is written, so overlapping moves are safe (as ``cpu_attn_copy_slots``)."""
-    if src_slots.numel() == 0:
-        return
-    block_size = kv_cache.shape[2]
-    by_slot = kv_cache.transpose(1, 2)  # [blocks, block, kv heads, 2 * head], a view
-    src, dst = src_slots.to(torch.int64), dst_slots.to(torch.int64)
-    moved = by_slot[src // block_size, src % block_size]  # a copy: [n, kv heads, 2 * head]
-    by_slot[dst // block_size, dst % block_size] = moved
+# The accepted path's K/V move in the Triton backend's cache layout lives with the CUDA
+# backend (``Backend.copy_slots``, chosen in ``backends.select_backend``); kept here under
+# its old name for callers that want the Triton layout whatever the platform (tests).
+copy_slots = _cuda_backend.copy_slots
 
 
 class TritonTreeRoute(VllmPatch):

@@ -181,6 +181,13 @@ def device_v1_only_reason(settings: Any, backend: Any = None) -> str | None:
     return backend.limits.reason_no_draft_tree_v2 or None
 
 
+def _vllm_has_triton() -> bool:
+    """vLLM's own answer (decided once, at import) to whether Triton runs here."""
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
 def runner_choice(v1_reason: str | None) -> tuple[bool, str]:
     """The model runner a specx config will run on, as vLLM chooses it
     (``VllmConfig.use_v2_model_runner``), and why: ``(True, why)`` for Model Runner V2.
@@ -198,9 +205,7 @@ def runner_choice(v1_reason: str | None) -> tuple[bool, str]:
         return False, f"it runs on V1 only: {v1_reason}"
     if forced:
         return True, f"{V2_RUNNER_ENV}={value}"
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:
+    if not _vllm_has_triton():
         return False, "vLLM's choice: Model Runner V2 needs Triton"
     return True, "vLLM's default; V1 if vLLM finds a feature V2 lacks, which it logs"
 

@@ -76,11 +76,13 @@ def _install_tree_state(runner: Any, settings: dict[str, Any]) -> None:
 def new_tree_state(runner: Any, settings: dict[str, Any]) -> Any:
     """The runner's :class:`~vllm_specx.glue.tree_step.TreeState` (``runner.specx_tree_state``,
     read by the tree-step patches of V1 and V2), after the checks config validation
-    cannot make: it refused Ascend and put a CUDA target on TRITON_ATTN (V1 runner); this
-    refuses a CPU engine whose attention is not vllm-specx's (vLLM's compiled CPU build
-    takes no ancestor mask, so a tree would be attended causally: wrong outputs), a CUDA
-    engine on another attention backend or on Model Runner V2 (the tree kernel is routed
-    through TRITON_ATTN on V1 only), and a sliding-window target."""
+    cannot make: it refused Ascend and put a CUDA target on TRITON_ATTN, eager (either
+    runner); this refuses a CPU engine whose attention is not vllm-specx's (vLLM's
+    compiled CPU build takes no ancestor mask, so a tree would be attended causally:
+    wrong outputs), a CUDA engine on another attention backend (the tree kernel is routed
+    through TRITON_ATTN only) or with CUDA graphs (a replayed graph would attend the tree
+    causally: the route to the tree kernel is decided in Python at each forward), and a
+    sliding-window target."""
     from vllm_specx.cpu_ops import registered_release
     from vllm_specx.glue.tree_step import TreeState
 
@@ -93,17 +95,18 @@ def new_tree_state(runner: Any, settings: dict[str, Any]) -> Any:
         backend = getattr(runner.vllm_config.attention_config.backend, "name", None)
         if backend != "TRITON_ATTN":
             where = f"CUDA with the {backend or 'default'} attention backend"
-        elif not any(c.__module__ == "vllm.v1.worker.gpu_model_runner"
-                     for c in type(runner).__mro__):
-            where = "CUDA with Model Runner V2"
+        else:
+            mode = runner.vllm_config.compilation_config.cudagraph_mode
+            if getattr(mode, "name", "NONE") != "NONE":
+                where = f"CUDA with CUDA graphs (cudagraph_mode {mode.name})"
     else:
         where = f"the {device} device"
     if where is not None:
         raise SpecxConfigError(
             f'speculative_config["draft_tree"] = {settings.get("draft_tree")!r} is not '
             f"allowed for method '{settings['method']}' on {where}: tree verification runs "
-            "on CPU with vllm-specx's CPU attention (V1 or V2 model runner) or on CUDA "
-            "with vLLM's TRITON_ATTN backend on the V1 runner."
+            "on CPU with vllm-specx's CPU attention or on CUDA with vLLM's TRITON_ATTN "
+            "backend, eager (V1 or V2 model runner)."
         )
     window = runner.model_config.get_sliding_window()
     if window:

@@ -26,11 +26,12 @@ runner (the ``tree_step_*`` patches below, all no-ops unless the runner carries 
    could be read. The draft model's own KV needs no compaction: its first pass rewrites
    the draft KV of every verified token each round.
 
-On CPU the masks go to this project's CPU attention op; on CUDA (V1 runner, vLLM's
-``TRITON_ATTN`` backend) the same step-scoped masks route every target attention layer
+On CPU the masks go to this project's CPU attention op; on CUDA (vLLM's ``TRITON_ATTN``
+backend, either runner) the same step-scoped masks route every target attention layer
 to the Triton tree kernel (``glue/cuda_tree_attention.py``, the
-``triton_attention_tree_route`` patch) and the compaction moves K/V with its
-``copy_slots``; host-to-device copies go from pinned memory without a host sync. A tree
+``triton_attention_tree_route`` patch). The compaction moves K/V with the selected
+device backend's ``copy_slots`` (``backends/cpu.py``, ``backends/cuda.py``);
+host-to-device copies go from pinned memory without a host sync. A tree
 config on Ascend is refused before start (``vllm_specx.config``). Model Runner V2 runs the same
 step through its own three seams (``glue/v2_tree_step.py``), sharing the pure parts here:
 the tree's depths and mask, which drafted tree a request's scheduled drafts are
@@ -267,25 +268,24 @@ class TreeState:
         nodes = torch.tensor(path, dtype=torch.int64)
         if a and not torch.equal(nodes, torch.arange(a)):
             self.stats.compacted += 1
+            copy_slots = _copy_slots()
             for gid, caches in layers.items():
                 slots = tree.slots[gid]
                 src = slots[1 + _to_device(nodes, slots)]
                 dst = slots[1: 1 + a]
                 for kv in caches:
-                    _copy_slots(kv)(kv, src, dst)
+                    copy_slots(kv, src, dst)
         return nodes
 
 
-def _copy_slots(kv: torch.Tensor) -> Any:
-    """The K/V move of one layer's cache: the CPU attention's layout on CPU, vLLM's
-    Triton backend's on CUDA (the backend a CUDA tree config runs on)."""
-    if kv.device.type == "cpu":
-        from vllm_specx.cpu_ops.attention import cpu_attn_copy_slots
+def _copy_slots() -> Any:
+    """The K/V move of the selected device backend (``Backend.copy_slots``: the CPU
+    attention's layout on CPU, vLLM's Triton backend's on CUDA, the backend a CUDA tree
+    config runs on), for both runners' compaction; the device is chosen in one place,
+    ``backends.select_backend``."""
+    from vllm_specx.backends import select_backend
 
-        return cpu_attn_copy_slots
-    from vllm_specx.glue.cuda_tree_attention import copy_slots
-
-    return copy_slots
+    return select_backend().copy_slots
 
 
 def _to_device(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Draft trees on Model Runner V2 on CPU: ONE target pass over every request's tree.
+"""Draft trees on Model Runner V2 (CPU and CUDA): ONE target pass over every request's tree.
 
 The V2 counterpart of ``glue/tree_step.py`` (V1), sharing its pure parts (the tree's
 depths and ancestor mask, :meth:`~.tree_step.TreeState.tree_for`, the KV move
@@ -15,7 +15,8 @@ are no-ops unless the runner carries a ``TreeState`` (``runner.specx_tree_state`
    from the positions there, so the nodes keep the chain slots ``ctx + 1 + i``; only
    after that does a tree request's node ``i`` get its RoPE position ``ctx + depth(i)``
    (``input_batch.positions``, which the model reads), and the step's ancestor-only query
-   masks are set on the CPU attention op (``attention.query_masks``).
+   masks are set (``attention.query_masks``: read by the CPU attention op, and on CUDA by
+   the route to the Triton tree kernel).
 2. ``execute_model`` (``v2_tree_step_forward``): around the whole call, which on V2 holds
    the target's forward and nothing else that attends (the speculator drafts in
    ``sample_tokens``): it keeps the step's ``scheduler_output`` for step 1 and, when the
@@ -30,6 +31,16 @@ are no-ops unless the runner carries a ``TreeState`` (``runner.specx_tree_state`
    (``StandaloneARSpeculator._prefill``, over the verified tokens plus the new one) sees
    the chain it would have seen had the path been drafted as one, and rewrites the draft
    model's KV of those positions.
+
+On CUDA (issue 34) the same three patches run unchanged in what they compute: the masks
+set in step 1 are the step-scoped ``cpu_ops.attention.query_masks`` that the
+``triton_attention_tree_route`` patch reads in V2's ``TritonAttentionImpl`` layers (V2
+builds the same ``TritonAttentionMetadata`` for them; ``glue/cuda_tree_attention.py``),
+the compaction moves K/V with the CUDA backend's ``copy_slots`` (``Backend.copy_slots``,
+device indexing), the step's input ids and positions are read back to the host once per
+step (one sync each, only when a request may be a tree), and the host-to-device writes
+go from pinned memory. A tree config on CUDA runs eager (``enforce_eager``: no CUDA
+graph, whose replay would skip the route; checked again in ``runner_hook.new_tree_state``).
 
 A step is verified as the chain V2 scheduled (always correct, only accepting less) when
 a request in it has a structured output (V2's grammar masks the scheduled chain's rows)
@@ -53,6 +64,7 @@ from vllm_specx.glue.tree_step import (
     TreeState,
     TreeStep,
     _target_kv_caches,
+    _to_device,
     tree_depths,
     tree_query_mask,
 )
@@ -123,24 +135,34 @@ def begin_step(state: TreeState, runner: Any, input_batch: Any,
     qsl = input_batch.query_start_loc_np
     scheduled = input_batch.num_scheduled_tokens
     positions = input_batch.positions
+    candidates = [r for r in range(num_reqs)
+                  if int(per_req[r]) and int(scheduled[r]) == int(per_req[r]) + 1
+                  and not bool(input_batch.is_prefilling_np[r])]
+    if not candidates:
+        return
+    # V2 built the step's input ids and positions on the device (Triton kernels): one
+    # host copy of each for the whole step (a sync on CUDA, after V2's kernels ran on
+    # this stream), not a read per request.
+    num_tokens = int(qsl[num_reqs])
+    ids_host = input_batch.input_ids[:num_tokens].to("cpu", torch.int64)
+    pos_host = positions[:num_tokens].to("cpu", torch.int64)
     trees: list[StepTree] = []
     masks: dict[int, torch.Tensor] = {}
-    for r in range(num_reqs):
+    for r in candidates:
         n = int(per_req[r])
-        if n == 0 or int(scheduled[r]) != n + 1 or bool(input_batch.is_prefilling_np[r]):
-            continue
         start = int(qsl[r])
         # The drafts as V2 feeds them (from its req_states.draft_tokens): the scheduler
         # got placeholders, so the fed tokens are what must be the drafted tree.
-        fed = input_batch.input_ids[start + 1: start + 1 + n].tolist()
+        fed = ids_host[start + 1: start + 1 + n].tolist()
         tree = state.tree_for(input_batch.req_ids[r], n, fed)
         if tree is None:
             continue
         tokens, parents = tree
-        root = int(positions[start])
-        # RoPE position of node i: root + depth(i); its KV slot stays root + 1 + i.
-        positions[start + 1: start + 1 + n] = root + tree_depths(parents).to(
-            positions.device, positions.dtype)
+        root = int(pos_host[start])
+        # RoPE position of node i: root + depth(i); its KV slot stays root + 1 + i
+        # (onto a GPU from pinned memory, without blocking the host).
+        positions[start + 1: start + 1 + n] = _to_device(root + tree_depths(parents),
+                                                         positions)
         slots = {gid: slot_mappings[gid, start: start + n + 1].clone()
                  for gid in range(slot_mappings.shape[0])}
         trees.append(StepTree(r, start, root, parents, tokens, slots,
@@ -182,8 +204,8 @@ def finish_step(state: TreeState, runner: Any, input_batch: Any) -> None:
         nodes = state.compact_path_kv(step, tree, layers)
         a = nodes.shape[0]
         if a:
-            input_ids[tree.start + 1: tree.start + 1 + a] = tree.tokens[nodes].to(
-                input_ids.device, input_ids.dtype)
+            input_ids[tree.start + 1: tree.start + 1 + a] = _to_device(tree.tokens[nodes],
+                                                                       input_ids)
 
 
 class V2TreeStepInputs(VllmPatch):
@@ -193,8 +215,8 @@ class V2TreeStepInputs(VllmPatch):
                 "tables and computes the step's slot mapping from the positions")
     why = ("draft trees on V2: after vLLM's slot mapping (nodes keep their chain slots), a "
            "tree request's nodes get the RoPE position ctx + depth and the step's "
-           "ancestor-only query masks are set on the CPU attention op; a no-op without a "
-           "tree config")
+           "ancestor-only query masks are set (the CPU attention op reads them; on CUDA the "
+           "triton_attention_tree_route patch does); a no-op without a tree config")
     lazy = True
 
     def wrap(self, original: Any) -> Any:
