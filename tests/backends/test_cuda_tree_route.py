@@ -107,6 +107,63 @@ def test_patched_forward_with_tree_masks_gives_the_tree_attention(
     assert not torch.allclose(slow_reference(causal), slow_reference(b), atol=1e-3)
 
 
+def test_the_route_under_model_runner_v2s_metadata(triton_attn, triton_call,
+                                                   monkeypatch) -> None:
+    """Model Runner V2 builds the layers' metadata through its own ``build_attn_metadata``
+    (``v1/worker/gpu/attn_utils.py``: V2's CommonAttentionMetadata into the real
+    ``TritonAttentionMetadataBuilder`` of a real ``AttentionGroup``), which its tree step
+    (``glue/v2_tree_step.py``) leaves as V2 built it. With the step's tree masks set, the
+    patched forward given that metadata writes the path-as-chain tree attention, as
+    under V1's."""
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+    from vllm.v1.worker.utils import AttentionGroup
+
+    b = make_batch(2031, 16, HEADS, KV_HEADS, HEAD, "NHD", max_nodes=16)
+    n = b["query"].shape[0]
+    impl, _, layer, query, kv, output = _layer_inputs(triton_attn, b, 2)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=KV_HEADS, head_size=HEAD,
+                             dtype=torch.float32)
+    group = AttentionGroup(backend=triton_attn.TritonAttentionBackend, layer_names=["l0"],
+                           kv_cache_spec=spec, kv_cache_group_id=0)
+    group.create_metadata_builders(
+        VllmConfig(model_config=_engine_args().create_model_config()), torch.device(DEVICE))
+    kv_config = KVCacheConfig(num_blocks=kv.shape[0], kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    metadata = build_attn_metadata(
+        attn_groups=[[group]], num_reqs=len(b["q_lens"]), num_tokens=n,
+        query_start_loc_gpu=b["qsl"].to(DEVICE), query_start_loc_cpu=b["qsl"],
+        max_query_len=max(b["q_lens"]), seq_lens=b["seq_lens"].to(DEVICE),
+        max_seq_len=int(b["seq_lens"].max()), block_tables=[b["table"].to(DEVICE)],
+        slot_mappings=torch.zeros(1, n, dtype=torch.int64, device=DEVICE),
+        kv_cache_config=kv_config, seq_lens_cpu_upper_bound=b["seq_lens"])["l0"]
+    assert type(metadata) is triton_attn.TritonAttentionMetadata
+    assert metadata.num_actual_tokens == n and metadata.causal is True
+
+    def not_vllms(**_):
+        raise AssertionError("a tree step reached vLLM's unified_attention")
+
+    monkeypatch.setattr(triton_attn, "unified_attention", not_vllms)
+    calls = []
+    if DEVICE == "cpu":
+        from vllm_specx.backends import cuda
+
+        def remote(**kw):
+            calls.append(kw)
+            kw["out"].copy_(triton_call("triton_tree_attention:tree_attention", **kw))
+            return kw["out"]
+
+        monkeypatch.setattr(cuda, "tree_attention", remote)
+    with query_masks(QueryMasks.causal_except(b["q_lens"], b["trees"])):
+        got = impl.forward(layer, query, query, query, kv, metadata, output=output)
+    assert got is output
+    assert calls or DEVICE == "cuda"
+    torch.testing.assert_close(output[:n].view(n, HEADS, HEAD).double().cpu(),
+                               slow_reference(b), atol=2e-5, rtol=2e-5)
+    assert bool(output[n:].isnan().all())
+
+
 def test_masks_of_another_forward_are_refused(triton_attn) -> None:
     """Masks built for other query lengths never reach a layer (as in the CPU op)."""
     b = make_batch(7, 16, HEADS, KV_HEADS, HEAD, "HND", max_nodes=12)
