@@ -23,6 +23,8 @@ from engine_requests import (
     run_counting_preemptions,
 )
 
+from vllm_specx.algorithms.draft_length import ConfidenceCalibration
+
 pytestmark = pytest.mark.engine
 
 K_MAX = 6
@@ -93,6 +95,7 @@ def _inject_cost_control(drafter: Any) -> Any:
                                     target_per_token=0.02, draft_pass=0.02, draft_row=0.01)
     control.history.rates = ScriptedRates(K_MAX)
     control.history.probe_interval = 10**9  # no probes: zero means zero
+    control.calibration = ConfidenceCalibration()  # nothing learnt by earlier runs
     return control
 
 
@@ -248,6 +251,8 @@ def runs() -> dict[str, Any]:
         # drafts must be the same token for token, i.e. the catch-up restored the draft KV
         # the skipped first passes did not write.
         control.history.rates = ScriptedRates(K_MAX)
+        # The stop reads confidences through what the first run learnt: start afresh.
+        control.calibration = ConfidenceCalibration()
         runner.drafter.skips_idle_first_pass = False
         out["cost_short_no_skip"] = counted(
             "cost_short_no_skip",

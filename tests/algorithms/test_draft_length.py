@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from vllm_specx.algorithms.draft_length import (
+    CALIBRATION_EDGES,
     AcceptanceHistory,
+    ConfidenceCalibration,
     CostStop,
     StepCosts,
     beam_step_time,
@@ -237,3 +239,85 @@ def test_step_depth_prices_beam_rows():
     choice = choose_step_depth(hopeless, costs, widths=4)
     assert choice.depth == 0 and not choice.lengths.any()
     assert math.isclose(choice.step_time, float(costs.target(8, 0)))
+
+
+def _reference_calibration(steps: list[tuple[list[list[float]], list[int]]], edges: list[float],
+                           weight: float, decay: float) -> list[float]:
+    """By definition: every verified token (index <= accepted count, a confidence read)
+    with weight decay ** (steps after its own), per bin; shrunk toward the bin's middle."""
+    bounds = [0.0, *edges, 1.0]
+    tried = [0.0] * (len(edges) + 1)
+    hits = [0.0] * (len(edges) + 1)
+    for age, (confs, accepted) in enumerate(reversed(steps)):
+        for row, n in zip(confs, accepted):
+            for i, c in enumerate(row):
+                if i > n or math.isnan(c):
+                    continue
+                b = next(j for j in range(len(bounds) - 1)
+                         if np.float32(c) <= np.float32(bounds[j + 1]))
+                tried[b] += decay ** age
+                hits[b] += decay ** age * (i < n)
+    mids = [(bounds[j] + bounds[j + 1]) / 2 for j in range(len(bounds) - 1)]
+    return [(h + weight * m) / (t + weight) for h, t, m in zip(hits, tried, mids)]
+
+
+def test_confidence_calibration_matches_counting_by_definition():
+    rng = np.random.default_rng(5)
+    cal = ConfidenceCalibration(prior_weight=3.0, decay=0.9)
+    assert np.allclose(cal.table(), cal.prior)  # nothing seen: confidence at face value
+    steps = []
+    for _ in range(12):
+        confs, accepted = [], []
+        for _ in range(4):
+            k = int(rng.integers(1, 6))
+            row = rng.uniform(0, 1, k) ** 0.5
+            row[rng.uniform(size=k) < 0.2] = np.nan  # depths the stop did not read
+            confs.append(row.tolist())
+            accepted.append(int(rng.integers(0, k + 1)))
+        steps.append((confs, accepted))
+        cal.observe(confs, accepted)
+    want = _reference_calibration(steps, list(CALIBRATION_EDGES), 3.0, 0.9)
+    assert np.allclose(cal.table(), want)
+    # The device table buckets as the host does, at the edges too.
+    edges, table = cal.device_table(torch.device("cpu"))
+    probe = torch.tensor([0.0, 0.05, 0.0500001, 0.5, 0.95, 0.951, 1.0])
+    got = table[torch.bucketize(probe, edges)].double().numpy()
+    assert np.allclose(got, cal.table()[cal.bins(probe.numpy())], atol=1e-6)
+
+
+def test_cost_stop_reads_the_confidence_through_the_calibration():
+    # A draft that is right nearly always but only ~35% sure of its tokens (the MTP
+    # fixture): at face value the cost stop ends every draft after one token; through a
+    # calibration that has seen those tokens accepted, it drafts to the planned length.
+    rows, k = 3, 6
+    caps = torch.tensor([6, 4, 6])
+    rates = torch.full((rows, k), 0.98)
+    cal = ConfidenceCalibration()
+    for _ in range(50):
+        cal.observe([[0.35] * 6] * 3, [6, 6, 6])
+    lengths = {}
+    for name, calibration in (("face value", None), ("calibrated", cal.device_table(
+            torch.device("cpu")))):
+        rule = CostStop(ConfidenceStop(0.0, max_tokens=k), caps, rates, threshold=0.3,
+                        calibration=calibration)
+        state = rule.start(rows, torch.device("cpu"))
+        live, depth, got = torch.arange(rows), 0, torch.zeros(rows, dtype=torch.int64)
+        while True:
+            got[live] = depth + 1
+            if depth + 1 >= k:
+                break
+            new, keep = rule.step(state[live], depth,
+                                  next_token_probs=torch.full((len(live),), 0.35))
+            state[live] = new
+            live = live[keep]
+            if live.numel() == 0:
+                break
+            depth += 1
+        lengths[name] = torch.minimum(got, rule.row_caps).tolist()
+        read = rule.confidences(state)
+        # The raw confidence of every token the stop judged, NaN past each row's end.
+        for r, n in enumerate(lengths[name]):
+            assert torch.allclose(read[r, :n - 1], torch.tensor(0.35))
+            assert torch.isnan(read[r, n:]).all()
+    assert lengths["face value"] == [2, 2, 2]
+    assert lengths["calibrated"] == [6, 4, 6]

@@ -95,6 +95,36 @@ def test_control_learns_nothing_from_a_step_that_did_not_verify_the_drafts():
     assert (control.history.pooled_rates() > before).all()
 
 
+def test_control_calibrates_the_confidence_from_verified_drafts():
+    # The cost stop read 0.35 for every token; the target accepted them all, step after
+    # step: the plan's stop then reads 0.35 as an acceptance near 1. The last token of
+    # each round (no read: NaN) and tokens past a rejection teach nothing.
+    control = CostControl(4)
+    control.fixed_costs = StepCosts(1.0, 0.0, 0.15, 0.05, 0.02)
+    inner = ConfidenceStop(0.0, max_tokens=4)
+    ids = ("a", "b")
+    nan = float("nan")
+    control.begin(ids, torch.tensor([0, 0]), None)
+    for _ in range(40):
+        plan = control.plan(ids, 4, inner, torch.device("cpu"))
+        control.end(ids, [4, 4], 3, 6, torch.tensor([[0.35, 0.35, 0.35, nan]] * 2))
+        control.begin(ids, torch.tensor([0, 0]), 10)
+    table = control.calibration.table()
+    b = int(control.calibration.bins(np.array([0.35]))[0])
+    assert table[b] > 0.9 and control.calibration.tried.sum() == pytest.approx(
+        control.calibration.tried[b])
+    plan = control.plan(ids, 4, inner, torch.device("cpu"))
+    edges, got = plan.rule.calibration
+    assert float(got[torch.bucketize(torch.tensor(0.35), edges)]) == pytest.approx(table[b])
+    # Rounds whose drafts are all rejected at the first token (only that token is judged,
+    # two per step against six before): the bin follows within the decay's window.
+    for _ in range(150):
+        control.end(ids, [4, 4], 3, 6, torch.tensor([[0.35, 0.35, 0.35, nan]] * 2))
+        control.begin(ids, torch.tensor([4, 4]), 10)
+    assert control.calibration.table()[b] < 0.2
+    assert "confidence_calibration" in control.describe()
+
+
 def test_bench_report_prints_the_cost_model():
     from vllm_specx.bench.report import markdown_table
 

@@ -35,7 +35,9 @@ while the expected gain of its next token, ``P(all drafted so far accepted) * a_
 pays for that token's marginal cost at the step's rate, ``lambda * (token + row)``, and
 never past its planned length. ``P(...)`` is read online from the draft's confidence
 (or the acceptance head), as SpecDec++ does; its threshold is a cost ratio, as SpecDec++'s
-analysis says it should be, here measured rather than fixed.
+analysis says it should be, here measured rather than fixed. A confidence is read through
+:class:`ConfidenceCalibration`, the acceptance measured at that confidence, since a draft's
+confidence is not its acceptance probability.
 
 :class:`AcceptanceHistory` keeps each request's per-position acceptance (counts that decay,
 shrunk toward the pooled rate of all requests) and says which requests are due a probe
@@ -358,21 +360,95 @@ class AcceptanceHistory:
         self._slot = {rid: i for i, rid in enumerate(keep)}
 
 
+# Inner bin edges of :class:`ConfidenceCalibration` (confidence signals live in [0, 1]):
+# finer near 1, where a confident draft's acceptance decides how deep a round goes.
+CALIBRATION_EDGES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+class ConfidenceCalibration:
+    """``P(a draft token is accepted | the draft's confidence in it)``, learnt online.
+
+    A draft's confidence (its probability of the token it drew, or another confidence
+    signal) is not the probability that the target accepts the token: a small draft that
+    agrees with its target nearly always may still spread its probability (seen on the MTP
+    fixture: acceptance 0.99 at confidences around 0.3-0.5), and an over-confident one the
+    other way. :class:`CostStop` prices the next token with ``P(Y_1..Y_j accepted)``, so it
+    reads each confidence through this table instead of at face value.
+
+    Counts per confidence bin (``edges``, inner edges in ``(0, 1)``): a verified token adds
+    one try to its bin, and one acceptance if the target accepted it. Token ``i`` (0-based)
+    of a request that had ``n`` of its draft tokens accepted was verified iff ``i <= n``
+    (tokens past the first rejection were never judged). Counts decay by ``decay`` per
+    observed step (the rate follows the text); the table is
+    ``(accepted + w * c_mid) / (tried + w)``, shrunk toward the confidence itself (the
+    bin's midpoint ``c_mid``, weight ``w = prior_weight``), so an unseen bin is read at
+    face value, as before any calibration.
+    """
+
+    def __init__(self, edges: Sequence[float] = CALIBRATION_EDGES, prior_weight: float = 4.0,
+                 decay: float = 0.98) -> None:
+        self.edges = np.asarray(edges, dtype=np.float64)
+        if self.edges.ndim != 1 or np.any(np.diff(self.edges) <= 0) or (
+                self.edges.size and (self.edges[0] <= 0 or self.edges[-1] >= 1)):
+            raise ValueError(f"calibration edges must increase strictly inside (0, 1): {edges}")
+        bounds = np.concatenate([[0.0], self.edges, [1.0]])
+        self.prior = (bounds[:-1] + bounds[1:]) / 2
+        self.prior_weight = float(prior_weight)
+        self.decay = float(decay)
+        self.tried = np.zeros(self.prior.size)
+        self.accepted = np.zeros(self.prior.size)
+
+    def bins(self, confidences: np.ndarray) -> np.ndarray:
+        """Each confidence's bin: ``edges[b - 1] < c <= edges[b]`` (``torch.bucketize``'s
+        rule, in float32 as on the device, so the host and the device agree)."""
+        return np.searchsorted(self.edges.astype(np.float32),
+                               np.asarray(confidences, dtype=np.float32), side="left")
+
+    def table(self) -> np.ndarray:
+        """``P(accepted | bin)`` per bin, float64 ``[len(edges) + 1]``."""
+        w = self.prior_weight
+        return (self.accepted + w * self.prior) / (self.tried + w)
+
+    def observe(self, confidences: Sequence[Sequence[float] | None],
+                accepted: Sequence[int]) -> None:
+        """One verified step: per request, its draft tokens' confidences (NaN where the
+        round did not read one; None: nothing known) and how many of them were accepted."""
+        self.tried *= self.decay
+        self.accepted *= self.decay
+        for confs, n in zip(confidences, accepted):
+            if not confs:
+                continue
+            c = np.asarray(confs, dtype=np.float64)[: int(n) + 1]
+            judged = ~np.isnan(c)
+            hit = (np.arange(c.size) < int(n))[judged]
+            b = self.bins(c[judged])
+            np.add.at(self.tried, b, 1.0)
+            np.add.at(self.accepted, b, hit.astype(np.float64))
+
+    def device_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(edges, table)`` as float32 tensors on ``device``, for :class:`CostStop`."""
+        return (torch.as_tensor(self.edges, dtype=torch.float32, device=device),
+                torch.as_tensor(self.table(), dtype=torch.float32, device=device))
+
+
 class CostStop:
     """A :class:`~.draft_stop.DraftStopRule`: the planned lengths and the cost threshold,
     over another rule (the method's own stop, which may stop a request earlier).
 
     Request ``r`` goes on after ``Y_{j+1}`` iff ``j + 1 < caps[r]``, the inner rule keeps
     it, and ``P_r * a[r, j+1] >= threshold``: ``P_r`` is the estimated probability that
-    ``Y_1..Y_{j+1}`` are all accepted (the product of the draft's confidence in each token
-    when ``signal`` is a confidence signal; the acceptance head's ``P(accept)`` of
-    ``Y_1..Y_j`` times ``a[r, j]`` when ``signal == "head"``; the planned rates when
-    ``signal == "history"``), ``a[r, j+1]`` the history's rate of the next position and
-    ``threshold = lambda * (token + row)`` the next token's marginal cost at the step's
-    rate. ``caps`` may be 0: the round then drops ``Y_1`` (:attr:`row_caps`).
+    ``Y_1..Y_{j+1}`` are all accepted (the product over its tokens of the draft's
+    confidence when ``signal`` is a confidence signal, each read through ``calibration``
+    (:class:`ConfidenceCalibration`'s ``device_table``) when given; the acceptance head's
+    ``P(accept)`` of ``Y_1..Y_j`` times ``a[r, j]`` when ``signal == "head"``; the planned
+    rates when ``signal == "history"``), ``a[r, j+1]`` the history's rate of the next
+    position and ``threshold = lambda * (token + row)`` the next token's marginal cost at
+    the step's rate. ``caps`` may be 0: the round then drops ``Y_1`` (:attr:`row_caps`).
 
-    The state is ``[R, 3 + K]``: the inner rule's state, ``log P_r``, the cap and the
-    rates, so the round's slicing by its live rows carries each row's own plan along.
+    The state is ``[R, 3 + 2K]``: the inner rule's state, ``log P_r``, the cap, the rates
+    and the raw confidence read at each depth (NaN where none was), so the round's slicing
+    by its live rows carries each row's own plan along, and the round can hand the
+    confidences back (:meth:`confidences`) for the calibration to learn from.
     """
 
     def __init__(
@@ -383,6 +459,7 @@ class CostStop:
         threshold: float,
         signal: str = "token_prob",
         head: torch.nn.Module | None = None,
+        calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.inner = inner
         self.row_caps = caps.to(torch.int64)  # [R]
@@ -390,6 +467,9 @@ class CostStop:
         self.threshold = float(threshold)
         self.signal = signal
         self.head = head
+        self.calibration = calibration
+        # Whether step() reads a confidence per token (what confidences() returns).
+        self.reads_confidence = signal not in ("head", "history")
         self.min_tokens = 1
         self.max_tokens = inner.max_tokens
         self.needs_hidden = inner.needs_hidden or signal == "head"
@@ -402,7 +482,14 @@ class CostStop:
             torch.zeros(num_rows, 1, device=device),
             self.row_caps.to(device=device, dtype=torch.float32).view(num_rows, 1),
             self.rates.to(device),
+            torch.full_like(self.rates, float("nan"), device=device),
         ], dim=1)
+
+    def confidences(self, state: torch.Tensor) -> torch.Tensor:
+        """``[R, K]``: the raw confidence step() read for each row's token ``j + 1`` at
+        depth ``j`` (NaN where it read none: the row's last token, a head or history
+        signal), for :meth:`ConfidenceCalibration.observe`."""
+        return state[:, 3 + self.rates.shape[1]:]
 
     def step(
         self,
@@ -416,8 +503,9 @@ class CostStop:
         inner_state, keep = self.inner.step(
             state[:, 0], depth, next_token_probs=next_token_probs, next_probs=next_probs,
             hidden=hidden)
-        log_p, caps, rates = state[:, 1], state[:, 2], state[:, 3:]
-        k = rates.shape[1]
+        k = self.rates.shape[1]
+        log_p, caps = state[:, 1], state[:, 2]
+        rates, read = state[:, 3:3 + k], state[:, 3 + k:]
         tiny = 1e-12
         if self.signal == "head":
             if depth >= 1 and hidden is not None and self.head is not None:
@@ -428,12 +516,19 @@ class CostStop:
             log_p = log_p + rates[:, min(depth, k - 1)].clamp_min(tiny).log()
             current = log_p
         else:
-            conf = confidence_signal(self.signal, next_token_probs, next_probs)
-            log_p = log_p + conf.float().clamp_min(tiny).log()
+            conf = confidence_signal(self.signal, next_token_probs, next_probs).float()
+            if depth < k:
+                read = read.clone()
+                read[:, depth] = conf
+            p = conf
+            if self.calibration is not None:
+                edges, table = self.calibration
+                p = table[torch.bucketize(conf, edges)]
+            log_p = log_p + p.clamp_min(tiny).log()
             current = log_p
         next_rate = rates[:, min(depth + 1, k - 1)].clamp_min(tiny)
         pays = (current + next_rate.log()) >= float(np.log(max(self.threshold, tiny)))
         keep = keep.to(torch.bool) & pays & (depth + 1 < caps)
         new_state = torch.cat([inner_state.to(torch.float32).view(-1, 1), log_p.view(-1, 1),
-                               caps.view(-1, 1), rates], dim=1)
+                               caps.view(-1, 1), rates, read], dim=1)
         return new_state, keep

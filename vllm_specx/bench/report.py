@@ -224,7 +224,26 @@ def cost_control_line(control: dict[str, Any]) -> str:
         f"only; pooled acceptance per position {control.get('pooled_acceptance')}"
         + (f"; steps per depth {control['depth_histogram']}"
            if control.get("depth_histogram") else "")
+        + _calibration_text(control.get("confidence_calibration"))
     )
+
+
+def _calibration_text(calibration: Any) -> str:
+    """The cost stop's acceptance per draft-confidence bin, bins with data only."""
+    if not isinstance(calibration, dict):
+        return ""
+    edges = list(calibration.get("bin_edges") or [])
+    bounds = [0.0, *edges, 1.0]
+    cells = [
+        f"{bounds[i]:g}-{bounds[i + 1]:g}: {p:.2f} ({n:g})"
+        for i, (p, n) in enumerate(zip(calibration.get("accept_given_confidence") or [],
+                                       calibration.get("tokens") or []))
+        if n >= 1
+    ]
+    if not cells:
+        return ""
+    return ("; acceptance by draft confidence (bin: P, decayed token count) "
+            + ", ".join(cells))
 
 
 def _model_line(info: Any) -> str:

@@ -45,6 +45,7 @@ import torch
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature
+from vllm_specx.algorithms.draft_length import CostStop
 from vllm_specx.algorithms.draft_sampling import draw_draft_tokens
 from vllm_specx.algorithms.draft_stop import DraftStopRule, fixed_keep, step_needed
 from vllm_specx.glue.cost_model import CostControl, cost_control_for, cost_control_stats
@@ -302,7 +303,11 @@ class ChainRound:
         tokens, lengths = tokens.cpu(), lengths.cpu()
         if caps is not None:
             lengths = torch.minimum(lengths, caps)
-            control.end(req_ids, lengths.tolist(), n_passes, n_rows)
+            # The confidences the cost stop read, for its calibration (after the read
+            # above, so no extra wait).
+            confidences = (rule.confidences(state).cpu()
+                           if isinstance(rule, CostStop) and rule.reads_confidence else None)
+            control.end(req_ids, lengths.tolist(), n_passes, n_rows, confidences)
         self.stats.record(lengths.tolist(), k_max, start.first_tokens, n_passes, n_rows)
         if q_full is not None:
             # The runner slices [row, :num_draft] per request: rows past a request's

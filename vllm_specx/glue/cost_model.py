@@ -42,6 +42,7 @@ import torch
 
 from vllm_specx.algorithms.draft_length import (
     AcceptanceHistory,
+    ConfidenceCalibration,
     CostStop,
     StepCosts,
     choose_draft_lengths,
@@ -257,6 +258,10 @@ class CostControl:
         self.fixed_costs: StepCosts | None = None
         self.stats = CostControlStats()
         self._drafted: dict[str, int] = {}  # request id -> tokens drafted last round
+        # The cost stop's reading of the draft's confidence (its acceptance at that
+        # confidence), learnt from the same verified steps as the history.
+        self.calibration = ConfidenceCalibration()
+        self._confidences: dict[str, list[float]] = {}  # request id -> last round's
 
     def step_costs(self) -> StepCosts:
         return self.fixed_costs if self.fixed_costs is not None else self.costs.step_costs()
@@ -282,10 +287,15 @@ class CostControl:
             # prefill): a request with no rejections there may have verified nothing, so
             # nothing is learned rather than false acceptances.
             return
-        self.history.observe_many(req_ids, drafted,
-                                  [n - int(r) for n, r in zip(drafted, rejected)])
+        accepted = [n - int(r) for n, r in zip(drafted, rejected)]
+        self.history.observe_many(req_ids, drafted, accepted)
+        if self._confidences:
+            self.calibration.observe([self._confidences.get(rid) for rid in req_ids],
+                                     accepted)
         if len(self._drafted) > 4 * max(num_reqs, 64):
             self._drafted = {r: self._drafted[r] for r in req_ids if r in self._drafted}
+            self._confidences = {r: self._confidences[r] for r in req_ids
+                                 if r in self._confidences}
             self.history.forget_except(req_ids)
 
     def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
@@ -314,9 +324,11 @@ class CostControl:
         else:
             signal, head = "history", None
         caps_t = torch.as_tensor(caps, dtype=torch.int64)
+        calibration = (self.calibration.device_table(device)
+                       if signal not in ("head", "history") else None)
         rule = CostStop(inner, caps_t.to(device),
                         torch.as_tensor(rates, dtype=torch.float32, device=device),
-                        threshold, signal=signal, head=head)
+                        threshold, signal=signal, head=head, calibration=calibration)
         return RoundPlan(rule, caps_t, choice.rate)
 
     def plan_depth(self, req_ids: Sequence[str], k_max: int,
@@ -339,10 +351,18 @@ class CostControl:
         return depth
 
     def end(self, req_ids: Sequence[str] | None, lengths: Sequence[int], passes: int,
-            rows: int) -> None:
+            rows: int, confidences: torch.Tensor | None = None) -> None:
+        """At the end of a round: what each request drafted (``confidences``: the cost
+        stop's raw confidence per row and depth, :meth:`CostStop.confidences`, on the
+        host), for the next step's :meth:`begin` to learn from."""
         if req_ids is not None:
-            for rid, n in zip(req_ids, lengths):
+            rows_read = confidences.tolist() if confidences is not None else None
+            for i, (rid, n) in enumerate(zip(req_ids, lengths)):
                 self._drafted[rid] = int(n)
+                if rows_read is not None and n > 0:
+                    self._confidences[rid] = rows_read[i][:int(n)]
+                else:
+                    self._confidences.pop(rid, None)
         self.costs.round_ends(any(n > 0 for n in lengths), passes, rows)
 
     def describe(self) -> dict[str, Any]:
@@ -353,6 +373,12 @@ class CostControl:
             "steps": s.steps, "all_zero_steps": s.all_zero_steps,
             "partial_zero_steps": s.partial_zero_steps, "probes": s.probes,
             "pooled_acceptance": [round(float(a), 3) for a in self.history.pooled_rates()],
+            "confidence_calibration": {
+                "bin_edges": [float(e) for e in self.calibration.edges],
+                "accept_given_confidence": [round(float(p), 3)
+                                            for p in self.calibration.table()],
+                "tokens": [round(float(t), 1) for t in self.calibration.tried],
+            },
             **({"depth_histogram": {str(d): n for d, n in sorted(s.depths.items())}}
                if s.depths else {}),
         }
