@@ -28,6 +28,7 @@ from engine_requests import (
     output_ids,
     run_counting_preemptions,
 )
+from idle_steps import check_idle_steps, run_idle_steps
 
 pytestmark = pytest.mark.engine
 
@@ -166,6 +167,9 @@ def runs(target: str, eagle3_head: str,
         out["many"], out["preemptions"] = run_counting_preemptions(
             llm, lambda: output_ids(generate(llm, prompts["many"], greedy(64))))
         out["stats"] = runner.drafter.specx_stats()
+        # Cost control forced to plan zero for everyone on runs of steps (issue 32): the
+        # head's first pass is skipped there and caught up later.
+        out["idle"] = run_idle_steps(llm, drafter, K, prompts["short"], greedy(NEW_TOKENS))
     finally:
         shutdown_llm(llm)
 
@@ -244,6 +248,15 @@ def test_head_tree_cost_control_prunes_and_equals_no_speculation(runs):
     assert sizes.get(0, 0) > 0, sizes  # pruned to nothing
     assert any(n >= 2 and c > 0 for n, c in sizes.items()), sizes  # and kept as a tree
     assert 0 < control["kept_nodes"] < control["drafted_nodes"]
+
+
+def test_steps_where_nobody_drafts_skip_the_heads_first_pass_and_catch_its_kv_up(runs):
+    """specx_eagle3 with cost control planning zero drafts for every request on runs of
+    steps: those steps skip the head's first pass, keeping its inputs (the target's
+    combined auxiliary hidden states and the tokens); the next first pass that runs is
+    preceded by a catch-up of the head's KV. Greedy output equals no speculation and every
+    round's drafts equal those of the same plans with every first pass run."""
+    check_idle_steps(runs["idle"], runs["plain_short"])
 
 
 def test_vllm_eagle3_with_the_head_stays_vllm_and_equals_no_speculation(runs):

@@ -162,11 +162,19 @@ class SpecxPasses(SpecDecodeBaseProposer):
             first_pos = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
             query_lens = (common_attn_metadata.query_start_loc_cpu[1:num_reqs + 1]
                           - common_attn_metadata.query_start_loc_cpu[:num_reqs]).numpy()
-            plan = self.plan_before_first_pass(
-                k, req_ids, num_rejected_tokens_gpu, target_tokens)
+            # A drafter that cannot catch this step up later (HeadKVHoles: a hole it would
+            # not store) does not plan before the first pass: the round plans after it.
+            if holes.may_skip(self, req_ids, first_pos, query_lens):
+                plan = self.plan_before_first_pass(
+                    k, req_ids, num_rejected_tokens_gpu, target_tokens)
             if plan is not None and plan.skip_first_pass:
                 # Nobody drafts: a plain decode step; the drafter does no work beyond
-                # catching up blocks vLLM caches this step (DraftKVHoles.skip).
+                # keeping what a later catch-up needs (an EAGLE/MTP head: this step's
+                # first-pass inputs) and catching up blocks vLLM caches this step
+                # (DraftKVHoles.skip).
+                holes.keep_first_pass_inputs(
+                    self, req_ids, target_token_ids, next_token_ids, target_hidden_states,
+                    token_indices_to_sample, common_attn_metadata)
                 holes.skip(self, common_attn_metadata, req_ids, first_pos, query_lens,
                            runner.input_batch.num_tokens_no_spec[:num_reqs],
                            runner.input_batch.token_ids_cpu)
@@ -241,13 +249,20 @@ class SpecxPasses(SpecDecodeBaseProposer):
         return spec_cad, token_indices, num_rejected
 
     def kv_holes(self) -> DraftKVHoles:
-        """The drafter's record of draft KV that skipped first passes did not write."""
+        """The drafter's record of draft KV that skipped first passes did not write
+        (:meth:`kv_holes_class`'s)."""
         holes = getattr(self, "_kv_holes", None)
         if holes is None:
             cache = getattr(getattr(self, "vllm_config", None), "cache_config", None)
-            holes = self._kv_holes = DraftKVHoles(
+            holes = self._kv_holes = self.kv_holes_class()(
                 self.block_size, bool(getattr(cache, "enable_prefix_caching", True)))
         return holes
+
+    def kv_holes_class(self) -> type[DraftKVHoles]:
+        """The hole record a skipping drafter keeps: a draft model's first pass reads only
+        committed token ids (:class:`DraftKVHoles`); an EAGLE/MTP head's also reads the
+        target's hidden states, which its record keeps (``glue/head_kv_holes.py``)."""
+        return DraftKVHoles
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
@@ -474,7 +489,9 @@ class DraftKVHoles:
         spans: dict[int, list[int]] = {}
         for i, (rid, q, n, c) in enumerate(zip(req_ids, first_pos.tolist(),
                                                query_lens.tolist(), committed.tolist())):
-            h = self.start.get(rid, int(q))
+            # min: a request recomputed from before its hole (resumed after preemption)
+            # lacks draft KV from its first query position on.
+            h = min(self.start.get(rid, int(q)), int(q))
             if self.prefix_caching:
                 cut = (min(int(q) + int(n), int(c)) // bs) * bs
                 if h < cut:
@@ -488,6 +505,20 @@ class DraftKVHoles:
         if len(self.start) > 4 * max(len(req_ids), 64):
             # Finished requests never come back: keep the batch's.
             self.start = {r: self.start[r] for r in req_ids if r in self.start}
+
+    def may_skip(self, proposer: SpecxPasses, req_ids: Sequence[str], first_pos: np.ndarray,
+                 query_lens: np.ndarray) -> bool:
+        """Whether this step's first pass may be skipped (if the plan drafts nothing):
+        always for a draft model, whose catch-up reads committed tokens only."""
+        return True
+
+    def keep_first_pass_inputs(self, proposer: SpecxPasses, req_ids: Sequence[str],
+                               target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
+                               target_hidden_states: torch.Tensor,
+                               token_indices_to_sample: torch.Tensor | None,
+                               cad: CommonAttentionMetadata) -> None:
+        """On a skipped step, before :meth:`skip`: keep what a later catch-up needs beyond
+        the committed tokens the runner holds (nothing, for a draft model)."""
 
     def catch_up(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
                  req_ids: Sequence[str], first_pos: np.ndarray,
@@ -511,9 +542,12 @@ class DraftKVHoles:
     def _catch_up_spans(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
                         num_reqs: int, todo: dict[int, list[int]],
                         token_ids_cpu: np.ndarray) -> None:
-        """Feed batch row ``i`` its committed tokens at ``todo[i] = [start, end)``."""
-        budget = max(int(self.pass_tokens or proposer.input_ids.shape[0]), 1)
-        device = cad.seq_lens.device
+        """Feed batch row ``i`` its committed tokens at ``todo[i] = [start, end)``, through
+        the drafter's own lookahead passes (V1: :class:`LookaheadPasses` over ``cad``;
+        Model Runner V2: ``glue/v2_speculators.V2LookaheadPasses`` over its batch)."""
+        tokens = getattr(proposer, "catch_up_pass_tokens", None) or proposer.input_ids.shape[0]
+        budget = max(int(self.pass_tokens or tokens), 1)
+        device = proposer.device
         while todo:
             rows: list[int] = []
             pieces: list[tuple[int, int]] = []
@@ -527,15 +561,17 @@ class DraftKVHoles:
                 left -= n
             lens = torch.tensor([b - a for a, b in pieces], dtype=torch.int64)
             j = int(lens.max())
-            tails = torch.zeros(len(rows), j, dtype=torch.int64)
-            for r, (i, (a, b)) in enumerate(zip(rows, pieces)):
-                tails[r, j - (b - a):] = torch.from_numpy(token_ids_cpu[i, a:b].astype(np.int64))
+            fed = [self.fed_tokens(i, a, b, token_ids_cpu) for i, (a, b) in zip(rows, pieces)]
+            tails = torch.zeros(len(rows), j, dtype=torch.int64, device=fed[0].device)
+            for r, (a, b) in enumerate(pieces):
+                tails[r, j - (b - a):] = fed[r]
+            self.before_catch_up_pass(proposer, rows, pieces)
             rows_t = torch.tensor(rows, dtype=torch.int64)
             # LookaheadPasses feeds row r at positions P_r + 1 + col (col >= start_r) over a
             # sequence of P_r + 1 + j: P_r = b_r - 1 - j puts the last token at b_r - 1.
             base = torch.zeros(num_reqs, dtype=torch.int64)
             base[rows_t] = torch.tensor([b - j for _, b in pieces], dtype=torch.int64)
-            passes = LookaheadPasses(proposer, cad, (base - 1).to(device), base.to(device))
+            passes = proposer.lookahead_passes(cad, (base - 1).to(device), base.to(device))
             passes.run(rows_t, tails, j - lens)
             self.catch_up_passes += 1
             self.catch_up_tokens += int(lens.sum())
@@ -544,6 +580,16 @@ class DraftKVHoles:
                     del todo[i]
                 else:
                     todo[i][0] = b
+
+    def fed_tokens(self, row: int, a: int, b: int, token_ids_cpu: np.ndarray) -> torch.Tensor:
+        """The tokens a catch-up feeds batch row ``row`` at positions ``a .. b-1`` (int64):
+        a draft model's first pass feeds the committed token at each position."""
+        return torch.from_numpy(token_ids_cpu[row, a:b].astype(np.int64))
+
+    def before_catch_up_pass(self, proposer: SpecxPasses, rows: list[int],
+                             pieces: list[tuple[int, int]]) -> None:
+        """Called before each catch-up pass with its batch rows and their ``[a, b)``
+        pieces (fed in that order): a head puts its hidden-state inputs in place."""
 
     def as_dict(self) -> dict[str, int]:
         return {"skipped_first_passes": self.skipped_first_passes,

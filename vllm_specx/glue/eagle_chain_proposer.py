@@ -50,7 +50,9 @@ from vllm_specx.algorithms.draft_stop import AlwaysContinue, DraftStopRule
 from vllm_specx.config import specx_settings
 from vllm_specx.glue.chain_drafter import ChainDrafter, ChainRound
 from vllm_specx.glue.cost_model import CostControl
+from vllm_specx.glue.draft_passes import DraftKVHoles
 from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
+from vllm_specx.glue.head_kv_holes import HeadKVHoles
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
 from vllm_specx.methods import METHODS
 
@@ -96,7 +98,13 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
     """Chain drafting with a per-request stop and a shrinking batch over vLLM's
     ``EagleProposer`` (see the module doc); the specx method's ``vllm_method`` says which
     draft (``mtp``, ``eagle`` or ``eagle3``) vLLM built. With ``draft_tree`` (EAGLE
-    heads) the round drafts a tree instead (``glue/eagle_tree_proposer.py``)."""
+    heads) the round drafts a tree instead (``glue/eagle_tree_proposer.py``).
+
+    A chain step where cost control plans no drafts for anyone skips the head's first
+    pass: the head keeps that pass's inputs (the target's hidden states and the tokens)
+    and feeds them before its next first pass (``glue/head_kv_holes.py``)."""
+
+    skips_idle_first_pass = True
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
@@ -107,6 +115,9 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
             [f"vLLM method {self.method!r} ({specx_method} drafts with {expected!r})"]
             if self.method != expected else [],
         )
+
+    def kv_holes_class(self) -> type[DraftKVHoles]:
+        return HeadKVHoles
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]] | torch.Tensor:
         """vLLM's ``propose``; an EAGLE-3 head first combines the target's auxiliary hidden

@@ -1,0 +1,117 @@
+"""Steps where nobody drafts, forced in a running specx engine (issue 32): cost control
+with a fixed cost model and scripted acceptance rates, so some steps plan zero drafts for
+every request (runs of several such steps) and others draft, whatever the clock. Used by
+the EAGLE-3 and MTP engine tests to show that a skipped first pass of a head, caught up
+later, leaves every draft what it would have been with the pass run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from engine_requests import counter, generate, output_ids
+
+COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+class ScriptedIdleRates:
+    """Stands in for the control's acceptance history (``history.rates``): every request
+    looks hopeless on each fourth step and on steps 8-11 of every 16 (all-zero steps, one
+    or four in a row), and otherwise request ``i`` looks good on steps where
+    ``(step + i) % 2 == 0`` (some steps draft for only some requests)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.step = 0
+
+    def __call__(self, req_ids: list[str]) -> Any:
+        self.step += 1
+        out = np.full((len(req_ids), self.k), 0.02)
+        idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
+        for row, rid in enumerate(req_ids):
+            i = int(str(rid).rsplit("-", 1)[0]) % 4
+            if not idle and (self.step + i) % 2 == 0:
+                out[row] = 0.95
+        return out
+
+
+def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
+                   params: Any) -> dict[str, Any]:
+    """Generate ``prompts`` twice under the same scripted plans: once skipping the
+    head's first pass on all-zero steps (its KV caught up later, in passes of at most 3
+    tokens, with the hole bookkeeping in 4-position blocks so skipped steps also catch up
+    block ends), once with every first pass run. Returns both outputs, each run's drafts
+    per round (request ids relative to the run's first) and acceptance counts, and the
+    hole record's stats. The drafter's settings are restored afterwards."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    saved = dict(drafter.settings)
+    original = drafter.propose
+    rounds: list[tuple[list[str], list[list[int]]]] = []
+
+    def propose(*args: Any, **kwargs: Any) -> Any:
+        drafts = original(*args, **kwargs)
+        ids = list(drafter.runner.input_batch.req_ids[: len(drafts)])
+        rounds.append((ids, [[int(t) for t in d] for d in drafts]))
+        return drafts
+
+    drafter.settings = {**saved, "cost_control": True}
+    saved_control = drafter._cost_control
+
+    def fresh_control() -> Any:
+        # A new control per run: what one run learns (acceptance, calibration) must not
+        # change the other's plans.
+        drafter._cost_control = None
+        control = drafter.cost_control(k)
+        # A memory-bound target: a good request's drafts pay, a hopeless one's never.
+        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                        target_per_token=0.02, draft_pass=0.02,
+                                        draft_row=0.01)
+        control.history.probe_interval = 10**9  # no probes: zero means zero
+        control.history.rates = ScriptedIdleRates(k)
+        return control
+
+    holes = drafter.kv_holes()
+    holes.pass_tokens, holes.block_size = 3, 4
+    out: dict[str, Any] = {}
+    drafter.propose = propose
+    try:
+        for name, skip in (("skip", True), ("no_skip", False)):
+            fresh_control()
+            if not skip:
+                drafter.skips_idle_first_pass = False
+            rounds.clear()
+            before = [counter(llm, c) for c in COUNTERS]
+            out[name] = output_ids(generate(llm, prompts, params))
+            out[name + "_counts"] = [counter(llm, c) - b for c, b in zip(COUNTERS, before)]
+            first = min(int(str(i).rsplit("-", 1)[0]) for ids, _ in rounds for i in ids)
+            out[name + "_rounds"] = [([int(str(i).rsplit("-", 1)[0]) - first for i in ids], d)
+                                     for ids, d in rounds]
+            if skip:
+                out["holes"] = dict(holes.as_dict())
+    finally:
+        drafter.propose = original
+        drafter.__dict__.pop("skips_idle_first_pass", None)
+        drafter.settings = saved
+        drafter._cost_control = saved_control
+    return out
+
+
+def check_idle_steps(idle: dict[str, Any], plain: list[list[int]]) -> None:
+    """What the tests assert on :func:`run_idle_steps`'s result (``plain``: the outputs
+    without speculation)."""
+    holes = idle["holes"]
+    assert holes["skipped_first_passes"] > 0, holes
+    # Holes of several positions caught up in passes of at most 3 tokens.
+    assert holes["catch_up_tokens"] > holes["catch_up_passes"] > 0, holes
+    assert holes["catch_up_steps"] > 0, holes
+    assert idle["skip"] == idle["no_skip"] == plain
+    skip, no_skip = idle["skip_rounds"], idle["no_skip_rounds"]
+    assert sum(not any(d) for _, d in skip) > 1  # all-zero steps happened
+    assert any(any(d) for _, d in skip)  # and drafting ones
+    # Token for token the drafts of a drafter that never skipped (a catch-up that wrote
+    # nothing leaves stale head KV, and the drafts after a skip differ).
+    assert skip == no_skip
+    drafted, accepted = idle["skip_counts"]
+    assert drafted > 0 and accepted > 0
+    assert idle["skip_counts"] == idle["no_skip_counts"]

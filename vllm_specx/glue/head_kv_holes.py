@@ -1,0 +1,184 @@
+"""Skipped first passes of an EAGLE / EAGLE-3 head or an MTP layer, and their catch-up
+(issue 32; vLLM glue, checked on vLLM 0.32 V1).
+
+A draft model's first pass at position ``i`` reads only the committed token there, so
+:class:`~.draft_passes.DraftKVHoles` catches a skipped pass up from the runner's token ids.
+A head's first pass at position ``i`` reads the token at ``i + 1`` and the target's
+hidden state at ``i`` (EAGLE: the final one; EAGLE-3: its auxiliary layers combined by the
+head's ``fc``; MTP: the final one), which vLLM keeps only for the step that computed it.
+:class:`HeadKVHoles` therefore keeps, on a step whose first pass is skipped, exactly what
+that pass would have been fed at each accepted position (vLLM's shifted token ids with the
+step's new token at the last accepted row, and the hidden-state rows), per request id,
+and its catch-up feeds them back at those positions in one pass (no logits), so the head's
+KV, and every draft after, is what it would have been without the skip.
+
+Bounds: a request keeps at most :attr:`HeadKVHoles.max_hole` positions; a step that would
+take one past it (a long prefill chunk, or a long run of skipped steps without prefix
+caching) is not skipped: its first pass runs and first catches up what is kept. With prefix
+caching, blocks vLLM caches are caught up when they complete (as for a draft model), so a
+request keeps at most a block plus a step. Entries of requests the runner no longer holds
+(finished) are dropped; a request recomputed from before its hole (resumed after
+preemption) drops its entry at its next first pass, which rewrites those positions.
+Draft trees (``tree_state``) and vLLM's drafting paths that reshape the first pass's inputs
+(parallel drafting, a heterogeneous vocabulary) never skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_specx.glue.draft_passes import DraftKVHoles
+
+
+@dataclass
+class _Kept:
+    """A request's first-pass inputs at positions ``pos0 .. pos0 + len - 1``."""
+
+    pos0: int
+    tokens: torch.Tensor  # [n] int64, the token fed at each position (the one after it)
+    hidden: torch.Tensor  # [n, H], the hidden state fed at each position
+
+    @property
+    def end(self) -> int:
+        return self.pos0 + int(self.tokens.shape[0])
+
+    def drop_before(self, pos: int) -> None:
+        cut = min(max(pos - self.pos0, 0), int(self.tokens.shape[0]))
+        if cut:
+            self.tokens, self.hidden = self.tokens[cut:], self.hidden[cut:]
+            self.pos0 += cut
+
+
+class HeadKVHoles(DraftKVHoles):
+    """:class:`DraftKVHoles` for a head that reads the target's hidden states (see the
+    module doc): the hole record plus each hole's first-pass inputs."""
+
+    # Most positions one request's hole may span (what is kept is [max_hole, H] at most).
+    max_hole = 64
+
+    def __init__(self, block_size: int, prefix_caching: bool) -> None:
+        super().__init__(block_size, prefix_caching)
+        self.kept: dict[str, _Kept] = {}
+        self.refused_skips = 0  # all-zero-eligible steps run because a hole would not fit
+        self._rows: list[str] = []  # the batch's request ids, by row, for the hooks
+        self._valid_end: np.ndarray | None = None
+
+    def may_skip(self, proposer: Any, req_ids: Sequence[str], first_pos: np.ndarray,
+                 query_lens: np.ndarray) -> bool:
+        if (getattr(proposer, "tree_state", None) is not None
+                or getattr(proposer, "needs_extra_input_slots", False)
+                or getattr(proposer, "use_heterogeneous_vocab", False)):
+            return False
+        for rid, q, n in zip(req_ids, first_pos.tolist(), query_lens.tolist()):
+            kept = self.kept.get(rid)
+            held = 0
+            if kept is not None:
+                if kept.end != int(q):  # not contiguous (recomputed): run the first pass
+                    self.refused_skips += 1
+                    return False
+                held = kept.end - max(kept.pos0, self.start.get(rid, kept.pos0))
+            if held + int(n) > self.max_hole:
+                self.refused_skips += 1
+                return False
+        return True
+
+    def keep_first_pass_inputs(self, proposer: Any, req_ids: Sequence[str],
+                               target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
+                               target_hidden_states: torch.Tensor,
+                               token_indices_to_sample: torch.Tensor | None,
+                               cad: CommonAttentionMetadata) -> None:
+        """Keep each request's first-pass inputs at its accepted positions: vLLM's shifted
+        token ids (``set_inputs_first_pass``: position ``i`` is fed the token at ``i + 1``,
+        the step's new token at the last accepted row) and the hidden-state rows."""
+        num_reqs = len(req_ids)
+        qsl = cad.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        if token_indices_to_sample is None:
+            last = qsl[1:] - 1
+        else:  # the padded batch: rejected rows sit after each request's last accepted one
+            last = token_indices_to_sample[:num_reqs].to("cpu", torch.int64)
+        n = target_token_ids.shape[0]
+        ids = torch.empty_like(target_token_ids[:n])
+        ids[: n - 1] = target_token_ids[1:n]
+        ids[last.to(ids.device)] = next_token_ids[:num_reqs].to(ids.dtype)
+        first_pos = proposer.runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+        valid_end = np.empty(num_reqs, dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            s, e = int(qsl[i]), int(last[i]) + 1
+            q = int(first_pos[i])
+            valid_end[i] = q + (e - s)
+            piece = _Kept(q, ids[s:e].to(torch.int64).clone(), target_hidden_states[s:e].clone())
+            kept = self.kept.get(rid)
+            if kept is not None and kept.end == q:
+                kept.tokens = torch.cat([kept.tokens, piece.tokens])
+                kept.hidden = torch.cat([kept.hidden, piece.hidden])
+            else:
+                self.kept[rid] = piece
+        self._valid_end = valid_end
+        self._rows = list(req_ids)
+        requests = getattr(getattr(proposer, "runner", None), "requests", None)
+        if requests is not None and len(self.kept) > num_reqs:
+            # Finished requests never come back (a preempted one stays in the runner's
+            # requests and keeps its entry until its next first pass).
+            self.kept = {r: v for r, v in self.kept.items() if r in requests}
+
+    def skip(self, proposer: Any, cad: CommonAttentionMetadata, req_ids: Sequence[str],
+             first_pos: np.ndarray, query_lens: np.ndarray, committed: np.ndarray,
+             token_ids_cpu: np.ndarray) -> None:
+        # A block-end catch-up may reach only as far as the positions whose inputs are
+        # kept (the last accepted one): vLLM caches no block beyond it this step.
+        if self._valid_end is not None:
+            committed = np.minimum(committed, self._valid_end)
+        super().skip(proposer, cad, req_ids, first_pos, query_lens, committed, token_ids_cpu)
+        for rid in req_ids:  # what a block-end catch-up wrote is no longer needed
+            kept = self.kept.get(rid)
+            if kept is not None and rid in self.start:
+                kept.drop_before(self.start[rid])
+        self._valid_end = None
+        self.start = {r: h for r, h in self.start.items() if r in self.kept}
+
+    def catch_up(self, proposer: Any, cad: CommonAttentionMetadata, req_ids: Sequence[str],
+                 first_pos: np.ndarray, token_ids_cpu: np.ndarray) -> None:
+        """Before a first pass: feed each of the batch's requests its kept inputs at the
+        positions from its hole's start to the step's first query position (what is
+        kept ends there unless the request was recomputed: then nothing is fed)."""
+        if not self.start:
+            return
+        self._rows = list(req_ids)
+        todo: dict[int, list[int]] = {}
+        for i, rid in enumerate(req_ids):
+            h = self.start.pop(rid, None)
+            kept = self.kept.get(rid)
+            if h is None or kept is None:
+                continue
+            a, b = max(h, kept.pos0), min(int(first_pos[i]), kept.end)
+            if a < b:
+                todo[i] = [a, b]
+        self.catch_up_steps += bool(todo)
+        self._catch_up_spans(proposer, cad, len(req_ids), todo, token_ids_cpu)
+        for rid in req_ids:
+            self.kept.pop(rid, None)
+
+    def fed_tokens(self, row: int, a: int, b: int, token_ids_cpu: np.ndarray) -> torch.Tensor:
+        kept = self.kept[self._rows[row]]
+        return kept.tokens[a - kept.pos0: b - kept.pos0]
+
+    def before_catch_up_pass(self, proposer: Any, rows: list[int],
+                             pieces: list[tuple[int, int]]) -> None:
+        """The head reads its hidden-state input from the proposer's ``hidden_states``
+        buffer (``run_model``): put the kept rows there, in the pass's token order."""
+        parts = []
+        for i, (a, b) in zip(rows, pieces):
+            kept = self.kept[self._rows[i]]
+            parts.append(kept.hidden[a - kept.pos0: b - kept.pos0])
+        hidden = torch.cat(parts)
+        proposer.hidden_states[: hidden.shape[0]] = hidden
+
+    def as_dict(self) -> dict[str, int]:
+        return {**super().as_dict(), "refused_skips": self.refused_skips,
+                "kept_positions": sum(int(k.tokens.shape[0]) for k in self.kept.values())}
