@@ -151,8 +151,9 @@ def run_cost_controlled(llm: Any, prompts: list[list[int]], samplings: list[dict
 
 def test_adaptive_cost_control_on_v2(adaptive_run, v2_engine, v2_host, v2_reference):
     """Cost control on V2 (the same round as V1): greedy output equals no speculation
-    while lengths change step to step, zeros included, and the scheduler receives each
-    request's real length (zero: no draft)."""
+    while lengths change step to step, zeros included, the scheduler receives each
+    request's real length (zero: no draft), and the steps where nobody drafts skip the
+    draft model's first pass (its KV caught up later)."""
     run = v2_host.call("adaptive", f"{__name__}:run_cost_controlled", *_ragged_requests())
     expected = [v2_reference[1]] * 5 + [ref[:n] for ref in v2_reference for n in OUTPUT_LENGTHS]
     assert run["outputs"] == expected
@@ -162,6 +163,33 @@ def test_adaptive_cost_control_on_v2(adaptive_run, v2_engine, v2_host, v2_refere
     assert any(not any(step.values()) for step in steps)  # nobody drafts
     assert any(0 in step.values() and any(step.values()) for step in steps)  # some do
     assert run["stats"]["cost_control"]["all_zero_steps"] > 0
+    # Those steps skipped V2's first pass; the draft KV was caught up (greedy equal above).
+    holes = run["stats"]["cost_control"]["idle_first_pass"]
+    assert holes["skipped_first_passes"] > 0 and holes["catch_up_tokens"] > 0
+
+
+def _scripted_depth_control(speculator: Any) -> Any:
+    """The mtad speculator's depth control, on afresh, with a fixed cost model and
+    scripted acceptance (see :func:`run_mtad`)."""
+    import numpy as np
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    k = speculator.num_speculative_tokens
+    speculator.settings = {**speculator.settings, "cost_control": True}
+    speculator._cost_control = None
+    control = speculator.cost_control(k)
+    control.fixed_costs = StepCosts(1.0, 0.02, 0.02, 0.02, 0.01)
+    control.history.probe_interval = 10**9  # no probes: zero means zero
+    step = 0
+
+    def rates(req_ids: list[str]) -> Any:
+        nonlocal step
+        step += 1
+        return np.full((len(req_ids), k), {1: 0.02, 2: 0.02, 3: 0.3}.get(step % 5, 0.97))
+
+    control.history.rates = rates
+    return control
 
 
 def run_mtad(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]],
@@ -171,29 +199,14 @@ def run_mtad(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
     request looks hopeless on two steps of each five (depth 0: runs of all-zero steps),
     middling on one (a depth between 1 and K - 1) and good on the others (depth K),
     whatever the clock does. Also returns the control's depths per step."""
-    import numpy as np
-
-    from vllm_specx.algorithms.draft_length import StepCosts
     from vllm_specx.testing.v2_engine import runner_of
 
     speculator = runner_of(llm).speculator
     configured = speculator.settings["cost_control"]
-    k = speculator.num_speculative_tokens
-    speculator.settings = {**speculator.settings, "cost_control": depth_control}
-    speculator._cost_control = None
-    control = None
-    if depth_control:
-        control = speculator.cost_control(k)
-        control.fixed_costs = StepCosts(1.0, 0.02, 0.02, 0.02, 0.01)
-        control.history.probe_interval = 10**9  # no probes: zero means zero
-        step = 0
-
-        def rates(req_ids: list[str]) -> Any:
-            nonlocal step
-            step += 1
-            return np.full((len(req_ids), k), {1: 0.02, 2: 0.02, 3: 0.3}.get(step % 5, 0.97))
-
-        control.history.rates = rates
+    control = _scripted_depth_control(speculator) if depth_control else None
+    if control is None:
+        speculator.settings = {**speculator.settings, "cost_control": False}
+        speculator._cost_control = None
     try:
         run = run_recorded(llm, prompts, samplings)
     finally:
@@ -202,6 +215,56 @@ def run_mtad(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
     run["configured_cost_control"] = configured
     run["depths"] = {} if control is None else dict(control.stats.depths)
     return run
+
+
+def run_skipping(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """Runs in the V2 host, on the mtad engine (prefix caching on): the scripted depth
+    control of :func:`run_mtad` three times over the same requests, recording every
+    drafted round (request index, drafts): with every first pass run
+    (``skips_idle_first_pass`` off), skipping the first pass at depth 0 with the draft-KV
+    catch-up, and skipping it with a catch-up that writes nothing. Each run's outputs and
+    catch-up counters. The prefix cache is reset before each run and after the last
+    (whose draft KV is wrong)."""
+    from vllm_specx.testing.v2_engine import generate_token_ids, runner_of
+
+    speculator = runner_of(llm).speculator
+    configured = speculator.settings["cost_control"]
+    draft_round = speculator.draft_round
+    holes = speculator.kv_holes()
+    rounds: list[Any] = []
+
+    def recorded(start: Any, sampling: Any) -> Any:
+        drafts = draft_round(start, sampling)
+        first = min(int(r.rsplit("-", 1)[0]) for r in start.req_ids)
+        ids = [int(r.rsplit("-", 1)[0]) - first for r in start.req_ids]
+        rounds.append((ids, drafts if isinstance(drafts, list) else drafts.tolist()))
+        return drafts
+
+    runs: dict[str, Any] = {}
+    speculator.draft_round = recorded
+    try:
+        for mode in ("no_skip", "skip", "skip_no_catch_up"):
+            # Every run computes the prompts afresh (no prefix-cache hits): the same
+            # steps, and prefill chunks that complete blocks on skipped steps.
+            llm.reset_prefix_cache()
+            rounds.clear()
+            _scripted_depth_control(speculator)
+            speculator.skips_idle_first_pass = mode != "no_skip"
+            if mode == "skip_no_catch_up":
+                holes._catch_up_spans = lambda *args, **kwargs: None
+            before = holes.as_dict()
+            outputs = generate_token_ids(llm, prompts, samplings)
+            after = holes.as_dict()
+            runs[mode] = {"outputs": outputs, "rounds": list(rounds),
+                          "holes": {k: after[k] - before[k] for k in after}}
+    finally:
+        del speculator.draft_round, speculator.skips_idle_first_pass
+        holes.__dict__.pop("_catch_up_spans", None)
+        speculator.settings = {**speculator.settings, "cost_control": configured}
+        speculator._cost_control = None
+        llm.reset_prefix_cache()
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +369,28 @@ def test_adaptive_sampled_drafts_keep_the_target_distribution_on_v2(v2_engine, v
     _, p_value = chisquare(observed, [e * scale for e in expected])
     assert p_value > 1e-3, (p_value, observed, expected)
     assert [tuple(t) for t in run["again"]] == samples[:16]  # seeded drafts reproduce
+
+
+def test_mtad_depth_zero_steps_skip_the_first_pass_on_v2(mtad_run, v2_host, v2_reference):
+    """A step whose plan drafts nothing skips V2's first pass (StandaloneARSpeculator's
+    pass over the draft model), and the draft KV it did not write is caught up before the
+    next first pass that runs, as on V1 (DraftKVHoles over V2's lookahead passes): with
+    runs of two all-zero steps (the first two: the 70-token prompt's prefill chunks
+    complete 32-token blocks on skipped steps, prefix caching's block-end catch-up) and
+    30-token outputs, every drafted round
+    equals the round of the same plans with every first pass run, and greedy output
+    equals no speculation; with a catch-up that writes nothing the drafts differ."""
+    n = 30
+    runs = v2_host.call("mtad", f"{__name__}:run_skipping", PROMPTS,
+                        [{**GREEDY, "max_tokens": n}] * len(PROMPTS))
+    no_skip, skip, broken = runs["no_skip"], runs["skip"], runs["skip_no_catch_up"]
+    assert no_skip["holes"]["skipped_first_passes"] == 0
+    holes = skip["holes"]
+    assert holes["skipped_first_passes"] >= 4
+    assert holes["catch_up_tokens"] >= holes["catch_up_passes"] >= holes["catch_up_steps"] > 0
+    assert holes["block_end_catch_ups"] > 0
+    assert [out[:len(ref)] for out, ref in zip(skip["outputs"], v2_reference)] == v2_reference
+    assert skip["outputs"] == no_skip["outputs"] == broken["outputs"]
+    assert len(skip["rounds"]) >= 5
+    assert skip["rounds"] == no_skip["rounds"]
+    assert broken["rounds"] != no_skip["rounds"]

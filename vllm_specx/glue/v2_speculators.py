@@ -47,12 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
 from vllm_specx.glue.chain_drafter import ChainRound
-from vllm_specx.glue.draft_passes import RoundStart, fed_tokens
+from vllm_specx.glue.draft_passes import DraftKVHoles, RoundStart, fed_tokens
 from vllm_specx.glue.mtad_proposer import MTADRound
 
 # vLLM's slot id for "write no KV" (vllm.v1.worker.gpu.block_table's PAD_SLOT_ID).
@@ -76,6 +77,21 @@ class V2Batch:
 
     def batch_size(self) -> int:
         return self.num_reqs
+
+
+class V2CommittedTokens:
+    """Each batch row's committed token ids as ``DraftKVHoles`` reads them
+    (``tokens[row, a:b]``, a numpy array): V2 keeps them per request-state row in
+    ``req_states.all_token_ids`` (the step's sampled tokens included once ``propose``
+    runs); only the slices a catch-up feeds are read."""
+
+    def __init__(self, all_token_ids: torch.Tensor, state_rows: np.ndarray) -> None:
+        self.all_token_ids = all_token_ids
+        self.state_rows = state_rows
+
+    def __getitem__(self, key: tuple[int, slice]) -> np.ndarray:
+        row, cols = key
+        return self.all_token_ids[int(self.state_rows[row]), cols].to("cpu").numpy()
 
 
 @dataclass(frozen=True)
@@ -178,6 +194,10 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
     # (``plan_before_first_pass``, as V1's ``SpecxPasses.propose``) and hands it to the
     # round as ``start.plan``; False: the round plans after the first pass, if at all.
     plans_before_first_pass: bool = False
+    # True (with plans_before_first_pass): a step whose plan drafts nothing for anyone
+    # skips V2's first pass too, and DraftKVHoles catches the draft KV up (V1's
+    # SpecxPasses.skips_idle_first_pass; a draft model's first pass reads token ids only).
+    skips_idle_first_pass: bool = False
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device)
@@ -308,12 +328,33 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         )
         self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
         req_ids = tuple(input_batch.req_ids[:num_reqs])
+        idx_mapping = input_batch.idx_mapping[:num_reqs]
+        batch = V2Batch(num_reqs, idx_mapping,
+                        self.block_tables.block_tables[self._draft_group()].gpu[idx_mapping])
         plan = None
         if self.plans_before_first_pass and k > 0:
             # The round's plan before its first pass, as V1's SpecxPasses.propose makes it
             # (mtad's depth for the step: it plans nowhere else).
             plan = self.plan_before_first_pass(k, req_ids, num_rejected[:num_reqs],
                                                int(input_batch.num_tokens))
+            holes = self.kv_holes() if self.skips_idle_first_pass else None
+            if holes is not None:
+                # As V1 (SpecxPasses.propose): a step where nobody drafts skips the first
+                # pass, and the draft KV it would have written is caught up before the
+                # next first pass that runs (DraftKVHoles, over V2LookaheadPasses).
+                first_pos = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
+                qsl = input_batch.query_start_loc_np
+                query_lens = (qsl[1:num_reqs + 1] - qsl[:num_reqs]).astype(np.int64)
+                tokens = V2CommittedTokens(self.runner.req_states.all_token_ids.gpu,
+                                           input_batch.idx_mapping_np[:num_reqs])
+                if plan is not None and plan.skip_first_pass:
+                    # Committed after this step (V1's num_tokens_no_spec): the verified
+                    # query tokens and the token just sampled.
+                    rejected = num_rejected[:num_reqs].to("cpu").numpy().astype(np.int64)
+                    holes.skip(self, batch, req_ids, first_pos, query_lens,
+                               first_pos + query_lens - rejected + 1, tokens)
+                    return self._no_drafts(input_batch, num_reqs)
+                holes.catch_up(self, batch, req_ids, first_pos, tokens)
         self._catch_first_pass = True
         try:
             self._prefill(input_batch, num_rejected, last_sampled, num_reqs, False,
@@ -324,11 +365,12 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         out, sample_positions = self._first_pass
         self._first_pass = None
         self._last_draft_probs = None
+        if plan is not None and plan.skip_first_pass:
+            # Nobody drafts and the first pass ran (a drafter that does not skip it): the
+            # plan already ended the round.
+            return self._no_drafts(input_batch, num_reqs)
         start = RoundStart(
-            k, num_reqs, out, sample_positions,
-            V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs],
-                    self.block_tables.block_tables[self._draft_group()].gpu[
-                        input_batch.idx_mapping[:num_reqs]]),
+            k, num_reqs, out, sample_positions, batch,
             int(input_batch.num_tokens) + num_reqs,
             sample_positions + 1,
             req_ids, num_rejected[:num_reqs], int(input_batch.num_tokens), plan,
@@ -357,13 +399,44 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
                           self.max_num_reqs)
         return buf
 
+    def _no_drafts(self, input_batch: Any, num_reqs: int) -> torch.Tensor:
+        """A step where nobody drafts: zero-length drafts for every request (the scheduler
+        gets none through ``take_draft_lengths``), no draft probabilities."""
+        buf = self.draft_tokens[:num_reqs]
+        buf.zero_()
+        self._draft_lengths = {req_id: 0 for req_id in input_batch.req_ids[:num_reqs]}
+        self._last_draft_probs = None
+        if self.sampler_reads_draft_probs:
+            from vllm_specx.glue.v2_sampler import store_draft_q
+
+            store_draft_q(self, input_batch.idx_mapping[:num_reqs], None, self.max_num_reqs)
+        return buf
+
+    def kv_holes(self) -> DraftKVHoles:
+        """The record of draft KV that skipped first passes did not write (as V1's
+        ``SpecxPasses.kv_holes``): the draft's KV block size and vLLM's prefix caching."""
+        holes = getattr(self, "_kv_holes", None)
+        if holes is None:
+            holes = self._kv_holes = DraftKVHoles(
+                self.block_size, bool(self.vllm_config.cache_config.enable_prefix_caching))
+        return holes
+
+    @property
+    def catch_up_pass_tokens(self) -> int:
+        """The most tokens one catch-up pass feeds (``DraftKVHoles``): a step's budget."""
+        return int(self.max_num_tokens)
+
     def draft_round(self, start: RoundStart, sampling: Any) -> Any:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__} drafts no round")
 
 
 class AdaptiveV2Speculator(ChainRound, SpecxV2DraftSpeculator):
     """``adaptive`` on Model Runner V2: the chain round with the per-request stop
-    (``glue/chain_drafter.py``) after vLLM's V2 first pass."""
+    (``glue/chain_drafter.py``) after vLLM's V2 first pass. With cost control the lengths
+    are planned before the first pass, which a step where nobody drafts skips (as V1)."""
+
+    plans_before_first_pass = True
+    skips_idle_first_pass = True
 
     def drafts_argmax(self) -> bool:
         return super().drafts_argmax() or not self.sampler_reads_draft_probs
@@ -374,9 +447,11 @@ class MTADV2Speculator(MTADRound, SpecxV2DraftSpeculator):
     after vLLM's V2 first pass, every beam of a depth in one pass in its own KV slots
     (``glue/beam_kv.py``'s scratch region, as on V1). With ``cost_control`` the step's
     depth ``0..K`` is planned before the first pass (``MTADRound.plan_before_first_pass``)
-    and a shallower round reaches the scheduler as ragged lists (``take_draft_lengths``)."""
+    and a shallower round reaches the scheduler as ragged lists (``take_draft_lengths``);
+    depth 0 skips the first pass (as V1)."""
 
     plans_before_first_pass = True
+    skips_idle_first_pass = True
 
 
 class DraftTreeV2Speculator(MTADRound, SpecxV2DraftSpeculator):
