@@ -24,6 +24,7 @@ from engine_requests import (
     output_ids,
     run_counting_preemptions,
 )
+from idle_steps import check_idle_steps, run_idle_steps
 
 pytestmark = pytest.mark.engine
 
@@ -129,6 +130,10 @@ def runs() -> dict[str, Any]:
         out["many"], out["preemptions"] = run_counting_preemptions(
             llm, lambda: output_ids(generate(llm, prompts["many"], greedy(64))))
         out["stats"] = runner.drafter.specx_stats()
+        # Cost control forced to plan zero for everyone on runs of steps (issue 32): the
+        # MTP layer's first pass is skipped there and caught up later.
+        out["idle"] = run_idle_steps(llm, runner.drafter, K, prompts["short"],
+                                     greedy(NEW_TOKENS))
         # Fixed K: the same engine with the adaptive stop switched off.
         runner.drafter.settings["adaptive"] = False
         out["fixed"] = counted(
@@ -171,6 +176,15 @@ def test_adaptive_stop_drafts_ragged_lengths_and_the_scheduler_sees_them(runs):
     assert c["drafted"] == sum(scheduled)
     assert c["drafts"] == len(scheduled)
     assert c["drafted"] < K * c["drafts"]  # not padded to K
+
+
+def test_steps_where_nobody_drafts_skip_the_mtp_first_pass_and_catch_its_kv_up(runs):
+    """specx_mtp with cost control planning zero drafts for every request on runs of
+    steps: those steps skip the MTP layer's first pass (keeping the target's final hidden
+    states and the tokens it would have read); the next first pass that runs is preceded
+    by a catch-up of the layer's KV. Greedy output equals no speculation and every round's
+    drafts equal those of the same plans with every first pass run."""
+    check_idle_steps(runs["idle"], runs["plain_short"])
 
 
 def test_fixed_k_drafts_k_for_every_request(runs):
