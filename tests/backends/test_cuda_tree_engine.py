@@ -247,8 +247,9 @@ def test_trees_run_on_v1_with_triton_attention_eager(runs, name) -> None:
     assert engine["attention_backend"] == "TRITON_ATTN", engine
     assert engine["enforce_eager"] and "NONE" in engine["cudagraph_mode"], engine
     assert engine["stats"] is not None
-    line = runs[name]["cuda_line"]
-    assert len(line) == 1 and "on Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0)" in line[0], line
+    lines = runs[name]["cuda_line"]  # once per config translation (once in-process)
+    assert lines and all("on Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0)" in line
+                         for line in lines), lines
 
 
 @pytest.mark.parametrize("name", ["adaptive", "eagle3"])
@@ -285,9 +286,9 @@ def test_trees_run_on_v2_by_default_with_triton_attention_eager(v2_run) -> None:
     assert engine["attention_backend"] == "TRITON_ATTN", engine
     assert engine["enforce_eager"] and "NONE" in engine["cudagraph_mode"], engine
     assert engine["stats"] is not None
-    line = v2_run["cuda_line"]
-    assert len(line) == 1 and "on Model Runner V2 (vLLM's default" in line[0], line
-    assert "eager" in line[0] and "TRITON_ATTN" in line[0], line
+    lines = v2_run["cuda_line"]
+    assert lines and all("on Model Runner V2 (vLLM's default" in line and "eager" in line
+                         and "TRITON_ATTN" in line for line in lines), lines
 
 
 def test_greedy_tree_output_equals_no_speculation_on_v2(v2_run, plain) -> None:
