@@ -46,7 +46,7 @@ REASON_NO_DRAFT_TREE = (
     "vLLM-Ascend's attention (npu_fused_infer_attention_score) is not given the tree's "
     "ancestor mask by vllm-specx, and it verifies at most 16 query tokens per request per "
     "step, so a tree there would need tree size + 1 <= 16 (as K + 1 <= 16 for a chain); "
-    "tree verification runs on CPU only (vLLM's V1 runner or Model Runner V2)"
+    "tree verification runs on CPU and on CUDA (vLLM's V1 runner or Model Runner V2)"
 )
 
 

@@ -22,9 +22,10 @@ and moves the accepted path's K/V with ``cpu_attn_copy_slots``. The CUDA counter
   untouched, otherwise.
 
 Status: tested on CPU (the kernel and the patched forward under the Triton interpreter,
-against vLLM's real ``TritonAttentionImpl`` and metadata); the engine path (V1 runner,
-``TRITON_ATTN``, eager) is switched on for CUDA; the GPU run of the engine tests
-(``tests/backends/test_cuda_tree_engine.py``) is the check that it works there.
+against vLLM's real ``TritonAttentionImpl`` and metadata, V1's and Model Runner V2's); the
+engine path (``TRITON_ATTN``, eager; vLLM's default runner, V2, or V1) is switched on for
+CUDA; the GPU run of the engine tests (``tests/backends/test_cuda_tree_engine.py``) showed
+it on V1 (an H200) and is the check for V2 (issue 34; not run on a GPU yet).
 """
 
 from __future__ import annotations
