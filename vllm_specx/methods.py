@@ -490,8 +490,8 @@ def tree_max_nodes(settings: Mapping[str, Any]) -> int | None:
 def tree_device_refusal(ctx: CheckContext, shown: Any) -> Refusal | None:
     """A draft tree on a device that cannot verify one yet, refused with that device
     backend's own reason (``DeviceLimits.reason_no_draft_tree``: on Ascend the attention
-    gets no tree mask and tree size + 1 <= 16); None on CPU and CUDA (there on the V1
-    runner: ``DeviceLimits.reason_no_draft_tree_v2``)."""
+    gets no tree mask and tree size + 1 <= 16); None on CPU and CUDA (either runner since
+    issue 34)."""
     reason = ctx.limits.reason_no_draft_tree
     if not reason:
         return None
