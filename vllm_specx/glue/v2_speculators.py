@@ -338,7 +338,8 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
             plan = self.plan_before_first_pass(k, req_ids, num_rejected[:num_reqs],
                                                int(input_batch.num_tokens))
             holes = self.kv_holes() if self.skips_idle_first_pass else None
-            if holes is not None:
+            # Without a plan (cost control off) and no hole left, there is nothing to do.
+            if holes is not None and (plan is not None or holes.start):
                 # As V1 (SpecxPasses.propose): a step where nobody drafts skips the first
                 # pass, and the draft KV it would have written is caught up before the
                 # next first pass that runs (DraftKVHoles, over V2LookaheadPasses).
