@@ -16,10 +16,17 @@ Three in-process engines, all alive at once, warmed up, timed passes interleaved
   the shortcuts: ``SpecxRejectionSampler.plain_sampling_without_drafts``,
   ``SpecxPasses.prepare_inputs_padded``).
 
+``--method specx_eagle3`` runs the same rows for ``specx_eagle3`` with ``"adaptive": true``
+over the pair's EAGLE-3 head (real pair: the shipped head; fixture: the tests' head, built
+into a temporary directory): the skipped row skips the head's first pass (``HeadKVHoles``
+in glue/head_kv_holes.py keeps its inputs for the catch-up), the run row is what the head
+did before (its first pass over the batch every step, no logits).
+
 Greedy, ``ignore_eos``; decode steps only (steps with prefill tokens are not counted)::
 
     python benchmarks/zero_draft_step.py --pair fixture --batch 1
     python benchmarks/zero_draft_step.py --pair real --batch 8 --max-tokens 32
+    python benchmarks/zero_draft_step.py --pair real --batch 8 --method specx_eagle3
 
 Reported per row: CPU ms and wall ms per decode step (median over the repeats, with the
 spread), the CPU ms inside the drafter's ``propose`` per step, and whether the outputs
@@ -106,6 +113,27 @@ def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, float, i
     return cpu, wall, steps, [outs[i] for i in sorted(outs)]
 
 
+def _eagle3_head(pair: str) -> str:
+    """The pair's EAGLE-3 head: the shipped one for the real pair, the tests' fixture
+    head (scripts/build_eagle3_fixture.py, seeded, built into a temporary directory)."""
+    if pair == "real":
+        from vllm_specx.real_pair import eagle3_dir
+
+        head = eagle3_dir()
+        if head is None:
+            raise SystemExit("--method specx_eagle3: the real pair's EAGLE-3 head is missing")
+        return str(head)
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_eagle3_fixture.py"
+    spec = importlib.util.spec_from_file_location("build_eagle3_fixture", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.build(Path(tempfile.mkdtemp(prefix="eagle3_head_"))))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=("fixture", "real"), default="fixture")
@@ -114,6 +142,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compare-sampler", action="store_true",
                     help="add the row whose steps without drafts take the verification path")
+    ap.add_argument("--method", choices=("adaptive", "specx_eagle3"), default="adaptive",
+                    help="the drafter forced to plan zero (specx_eagle3: adaptive, over the "
+                         "pair's EAGLE-3 head)")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -124,11 +155,15 @@ def main() -> int:
     target, draft, prompts, overrides = pair_inputs(args.pair, args.batch)
     overrides["max_num_seqs"] = args.batch
     spec = {"method": "adaptive", "model": draft, "num_speculative_tokens": K}
+    if args.method == "specx_eagle3":
+        spec = {"method": "specx_eagle3", "model": _eagle3_head(args.pair),
+                "num_speculative_tokens": K, "adaptive": True}
+    m = args.method
     rows_cfg = [("no speculation", None, None),
-                ("adaptive, plans 0, pass skipped", spec, True),
-                ("adaptive, plans 0, pass run", spec, False)]
+                (f"{m}, plans 0, pass skipped", spec, True),
+                (f"{m}, plans 0, pass run", spec, False)]
     if args.compare_sampler:
-        rows_cfg.append(("adaptive, plans 0, verify path", spec, True))
+        rows_cfg.append((f"{m}, plans 0, verify path", spec, True))
     engines = []
     for name, cfg, skip in rows_cfg:
         llm = make_llm(target, speculative_config=cfg, **overrides)
