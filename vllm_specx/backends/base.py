@@ -8,6 +8,7 @@ device-specific kernels live in exactly one module per device.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,3 +90,8 @@ class Backend:
     verify: VerifyFn
     copy_slots: CopySlotsFn
     description: str = ""
+    # The clock cost control times the engine's steps with (glue/cost_model.py). Wall
+    # time where the device runs the work (a GPU: the host waits for it); on a CPU the
+    # process's CPU time, so that other jobs on the host do not read as the cost of
+    # this engine's drafts (the work is done in this process's threads either way).
+    cost_clock: Callable[[], float] = time.perf_counter

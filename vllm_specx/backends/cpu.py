@@ -1,6 +1,8 @@
 """CPU backend: the pure-PyTorch verification path (:mod:`vllm_specx.algorithms.verify`)
 and the draft-tree KV move in the layout of vllm-specx's CPU attention."""
 
+import time
+
 import torch
 
 from vllm_specx.algorithms.verify import verify
@@ -30,4 +32,5 @@ BACKEND = Backend(
     verify=verify,
     copy_slots=copy_slots,
     description="vectorised PyTorch on the host",
+    cost_clock=time.process_time,
 )

@@ -4,18 +4,20 @@ costs online, keeps each request's acceptance, and plans every step's draft leng
 
 Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
 
-* the **target side** of a step: the wall time from the end of one drafting round to the
-  start of the next, i.e. scheduling, the target's forward over ``B`` requests verifying
-  ``S`` draft tokens, sampling and bookkeeping, and, for a drafter that runs its first
-  pass every step (EAGLE / MTP heads: it keeps their state in sync), that first pass. A
-  draft model's round starts before its first pass instead (``plan_before_first_pass``
-  in ``glue/chain_drafter.py``): a step where nobody drafts skips the pass, so the
-  pass belongs to the round's ``any draft`` term. Fitted as
+* the **target side** of a step: the time from the end of one drafting round to the
+  start of the next (wall time on a GPU; on a CPU host the engine process's CPU time,
+  :attr:`~vllm_specx.backends.base.Backend.cost_clock`, so that other jobs on a shared
+  host do not read as the cost of drafting), i.e. scheduling, the target's forward over
+  ``B`` requests verifying ``S`` draft tokens, sampling and bookkeeping, and, for a
+  drafter that runs its first pass every step (EAGLE / MTP heads: it keeps their state in
+  sync), that first pass. A draft model's round starts before its first pass instead
+  (``plan_before_first_pass`` in ``glue/chain_drafter.py``): a step where nobody drafts
+  skips the pass, so the pass belongs to the round's ``any draft`` term. Fitted as
   ``a + b * B + c * S`` over decode steps (steps with prefill tokens are skipped, and an
   interval far above the model, such as the idle gap between two ``generate`` calls, is
   dropped);
-* the **round**: its wall time, fitted as ``round * [anyone drafts] + pass * passes +
-  row * rows`` (passes: lookahead passes; rows: their request rows).
+* the **round**: its time on the same clock, fitted as ``round * [anyone drafts] + pass *
+  passes + row * rows`` (passes: lookahead passes; rows: their request rows).
 
 Both are recursive least squares with forgetting (about the last 100 steps) over a prior
 (pseudo-observations with a small constant weight). The prior is relative (a verification
@@ -80,8 +82,17 @@ def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
         return None
     if proposer._cost_control is None:
         configured = proposer.settings.get("num_speculative_tokens") or k_max
-        proposer._cost_control = CostControl(max(int(configured), k_max))
+        proposer._cost_control = CostControl(max(int(configured), k_max),
+                                             clock=engine_step_clock())
     return proposer._cost_control
+
+
+def engine_step_clock() -> Callable[[], float]:
+    """The clock the cost model times steps with: the device backend's ``cost_clock``
+    (wall time on a GPU, the process's CPU time on a CPU host)."""
+    from vllm_specx.backends import select_backend  # reads vLLM's platform: lazy
+
+    return select_backend().cost_clock
 
 
 def cost_control_stats(proposer: Any, stats: dict[str, Any]) -> dict[str, Any]:
@@ -249,9 +260,9 @@ class CostControlStats:
 class CostControl:
     """Per-step draft lengths for one chain drafter (see the module doc)."""
 
-    def __init__(self, k_max: int) -> None:
+    def __init__(self, k_max: int, clock: Callable[[], float] = time.perf_counter) -> None:
         self.k_max = k_max
-        self.costs = MeasuredCosts()
+        self.costs = MeasuredCosts(clock)
         self.history = AcceptanceHistory(k_max)
         # A fixed model (tests, or a user who measured theirs): used instead of the
         # measured one; measuring goes on.

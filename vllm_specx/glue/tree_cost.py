@@ -23,7 +23,8 @@ Tests inject a fixed model (:attr:`TreeCostControl.fixed_costs`), as the chain c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ from vllm_specx.algorithms.tree_budget import (
     step_costs_paid,
     step_costs_target,
 )
-from vllm_specx.glue.cost_model import MeasuredCosts, cost_control_applies
+from vllm_specx.glue.cost_model import MeasuredCosts, cost_control_applies, engine_step_clock
 
 SCALE_BOUNDS = (0.25, 2.0)
 SCALE_FORGETTING = 0.98  # per request-step: ~50 request-steps
@@ -65,8 +66,8 @@ class TreeCostStats:
 class TreeCostControl:
     """Per-round pruning of a tree drafter's trees (see the module doc)."""
 
-    def __init__(self) -> None:
-        self.costs = MeasuredCosts()
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.costs = MeasuredCosts(clock)
         self.fixed_costs: StepCosts | None = None  # tests: used instead of the measured
         self.stats = TreeCostStats()
         self._accepted = 0.0  # forgetting sums of accepted path lengths ...
@@ -244,5 +245,5 @@ def tree_cost_control_for(proposer: Any) -> TreeCostControl | None:
         return None
     control = getattr(proposer, "_tree_cost", None)
     if control is None:
-        control = proposer._tree_cost = TreeCostControl()
+        control = proposer._tree_cost = TreeCostControl(clock=engine_step_clock())
     return control
