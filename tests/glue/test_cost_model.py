@@ -138,3 +138,20 @@ def test_bench_report_prints_the_cost_model():
     table = markdown_table(report)
     line = next(x for x in table.splitlines() if x.startswith("- cost control of adaptive cc"))
     assert "ms per draft token verified" in line and "measured online, 20 steps" in line
+
+
+def test_cpu_backend_times_steps_by_this_process_cpu_time():
+    # Another job holding the host's cores makes this process wait, not work: on the CPU
+    # backend's clock a wait costs (almost) nothing, so it is not read as the cost of
+    # drafting. The GPU backend keeps wall time (the host waits for the device there).
+    import time
+
+    from vllm_specx.backends import backend_for_device
+    from vllm_specx.glue.cost_model import engine_step_clock
+
+    clock = engine_step_clock()  # what the controls get on this (CPU) platform
+    assert clock is backend_for_device("cpu").cost_clock
+    t0 = clock()
+    time.sleep(0.3)
+    assert clock() - t0 < 0.1
+    assert backend_for_device("cuda").cost_clock is time.perf_counter
