@@ -298,12 +298,17 @@ def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
 def test_mtad_depth_control_on_v2(mtad_run, v2_host, v2_reference):
     """mtad's depth control on Model Runner V2 as on V1 (issue 32): "cost_control": true
     reached the V2 speculator and made the runner schedule synchronously; on, the depth
-    changes step to step (0, between, K), greedy output equals no speculation, and the
-    scheduler receives each step's planned depth for every request (0: no drafts)."""
+    changes step to step (0, between, K), greedy output equals no speculation, the
+    scheduler receives each step's planned depth for every request (0: no drafts), and a
+    seeded sampled request in the batch (its q_j rows as deep as the step) completes."""
     assert mtad_run["configured_cost_control"] is True
     assert mtad_run["async_scheduling"] is False
-    run = v2_host.call("mtad", f"{__name__}:run_mtad", PROMPTS, [GREEDY] * len(PROMPTS), True)
-    assert run["outputs"] == v2_reference
+    sampled = {"temperature": 1.0, "top_k": 8, "seed": 3, "max_tokens": 12, "ignore_eos": True}
+    prompts = [*PROMPTS, PROMPTS[1]]
+    run = v2_host.call("mtad", f"{__name__}:run_mtad", prompts,
+                       [GREEDY] * len(PROMPTS) + [sampled], True)
+    assert run["outputs"][:len(PROMPTS)] == v2_reference
+    assert len(run["outputs"][-1]) == 12
     k = MTAD["num_speculative_tokens"]
     depths = {int(d) for d in run["depths"]}
     assert {0, k} <= depths and depths - {0, k}, run["depths"]
@@ -311,7 +316,7 @@ def test_mtad_depth_control_on_v2(mtad_run, v2_host, v2_reference):
     assert len(drafted) == len(received) > 0
     assert all(got == lengths for got, lengths in zip(received, drafted) if lengths)
     # One depth for the whole batch each step; all-zero steps reach the scheduler as such.
-    decode = [step for step in drafted if len(step) == len(PROMPTS)]
+    decode = [step for step in drafted if len(step) == len(prompts)]
     assert all(len(set(step.values())) == 1 for step in decode)
     assert any(not any(step.values()) for step in decode)
     assert {0, k} <= {n for step in decode for n in step.values()} <= depths
