@@ -127,8 +127,9 @@ def test_the_route_under_model_runner_v2s_metadata(triton_attn, triton_call,
                              dtype=torch.float32)
     group = AttentionGroup(backend=triton_attn.TritonAttentionBackend, layer_names=["l0"],
                            kv_cache_spec=spec, kv_cache_group_id=0)
-    group.create_metadata_builders(
-        VllmConfig(model_config=_engine_args().create_model_config()), torch.device(DEVICE))
+    # Eager, as a tree config runs (no CUDA-graph capture sizes for the builder to read).
+    config = VllmConfig(model_config=_engine_args(enforce_eager=True).create_model_config())
+    group.create_metadata_builders(config, torch.device(DEVICE))
     kv_config = KVCacheConfig(num_blocks=kv.shape[0], kv_cache_tensors=[],
                               kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     metadata = build_attn_metadata(
