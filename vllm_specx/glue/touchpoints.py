@@ -328,6 +328,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "_copy_request_inputs", "attribute", _V2_GLUE,
                 "copies the batch's temperature, seeds and request-state rows before the "
                 "first pass, as vLLM's propose does"),
+    *(PrivateName("vllm.v1.worker.gpu.input_batch:InputBatch", name, "field", _V2_GLUE,
+                  "a skipped first pass's draft-KV hole: each request's first query "
+                  "position and query length, and its request-state row (DraftKVHoles)")
+      for name in ("num_computed_tokens_np", "query_start_loc_np", "idx_mapping_np")),
+    PrivateName("vllm.v1.worker.gpu.states:RequestState", "all_token_ids",
+                "instance attribute", _V2_GLUE,
+                "the committed tokens a draft-KV catch-up feeds (V2CommittedTokens)"),
     # --- the specx sampler --------------------------------------------------------------
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),
