@@ -31,6 +31,14 @@ Greedy, ``ignore_eos``; decode steps only (steps with prefill tokens are not cou
 Reported per row: CPU ms and wall ms per decode step (median over the repeats, with the
 spread), the CPU ms inside the drafter's ``propose`` per step, and whether the outputs
 equal no speculation's. Wall clock on a shared machine moves with its load (printed).
+
+``--split`` also times the step's parts on the process CPU clock (``_SplitClock``: the
+scheduler's ``schedule`` / ``update_from_output``, the runner's state update, input
+preparation (spec-decode metadata inside it), attention metadata, the target's forward
+(EAGLE-3's auxiliary hidden-state capture inside it), the sampler, the bookkeeping, the
+drafter's ``propose`` and vLLM's ``prepare_next_token_ids_padded``), per decode step and,
+for the steps with prompt tokens, per prefill token. The parts nest as listed in
+``_SPLIT``'s comments, so they do not add up to the step.
 """
 
 from __future__ import annotations
@@ -81,9 +89,72 @@ class _ProposeClock:
         drafter.propose = timed
 
 
-def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, float, int, list]:
+# (owner, attribute): owner "runner", "drafter" (absent without speculation), "scheduler".
+# Nesting: the engine step holds schedule, execute_model, sample_tokens and
+# update_from_output; execute_model holds
+# _update_states, _prepare_inputs (which holds _calc_spec_decode_metadata),
+# _build_attention_metadata and _model_forward; sample_tokens holds _sample,
+# _bookkeeping_sync and propose_draft_token_ids (which holds the drafter's
+# prepare_next_token_ids_padded and propose).
+_SPLIT = (
+    ("scheduler", "schedule"),
+    ("scheduler", "update_from_output"),
+    ("runner", "execute_model"),
+    ("runner", "_update_states"),
+    ("runner", "_prepare_inputs"),
+    ("runner", "_calc_spec_decode_metadata"),
+    ("runner", "_build_attention_metadata"),
+    ("runner", "_model_forward"),
+    ("runner", "sample_tokens"),
+    ("runner", "_sample"),
+    ("runner", "_bookkeeping_sync"),
+    ("runner", "propose_draft_token_ids"),
+    ("drafter", "prepare_next_token_ids_padded"),
+    ("drafter", "propose"),
+)
+
+
+class _SplitClock:
+    """Process CPU seconds inside each of ``_SPLIT``'s calls (instance attributes wrap
+    the bound methods, so vLLM's own calls ``self.x(...)`` go through them)."""
+
+    def __init__(self, llm: Any, drafter: Any) -> None:
+        core = llm.llm_engine.engine_core.engine_core
+        owners = {"scheduler": core.scheduler,
+                  "runner": llm.llm_engine.model_executor.driver_worker.worker.model_runner,
+                  "drafter": drafter}
+        self.cpu: dict[str, float] = {}
+        self.scheduled_tokens = 0  # the tokens the last step's schedule() scheduled
+        for owner, name in _SPLIT:
+            obj = owners[owner]
+            if obj is None or not hasattr(obj, name):
+                continue
+            key = f"{owner}.{name}"
+            self.cpu[key] = 0.0
+            setattr(obj, name, self._timed(key, getattr(obj, name)))
+
+    def _timed(self, key: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.cpu[key] += time.process_time() - t0
+            if key == "scheduler.schedule":
+                self.scheduled_tokens += out.total_num_scheduled_tokens
+            return out
+        return timed
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.cpu)
+
+
+def _run(llm: Any, prompts: list[str], max_tokens: int, split: _SplitClock | None = None,
+         ) -> tuple[float, float, int, list, dict[str, float], dict[str, float], int]:
     """All prompts at once (the batch is max_num_seqs); CPU s, wall s and count of the
-    decode-only steps, and the outputs in prompt order."""
+    decode-only steps, the outputs in prompt order, and (with ``split``) the CPU s in each
+    timed part over the decode steps and over the steps with prompt tokens, and the prompt
+    tokens those steps computed."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -96,21 +167,34 @@ def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, float, i
     outs: dict[int, list[int]] = {}
     sched = engine.engine_core.engine_core.scheduler if hasattr(
         engine.engine_core, "engine_core") else None
+    dec: dict[str, float] = {}
+    pre: dict[str, float] = {}
+    prefill_tokens = 0
     while engine.has_unfinished_requests():
         prefill = sched is not None and (
             bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
                                        for r in sched.running))
+        s0 = split.snapshot() if split else {}
+        if split:
+            split.scheduled_tokens = 0
         c0, w0 = time.process_time(), time.perf_counter()
         out = engine.step()
         c1, w1 = time.process_time(), time.perf_counter()
-        if not prefill:
+        s1 = split.snapshot() if split else {}
+        into = pre if prefill else dec
+        for key in s1:
+            into[key] = into.get(key, 0.0) + s1[key] - s0[key]
+        if prefill:
+            into["step"] = into.get("step", 0.0) + c1 - c0
+            prefill_tokens += split.scheduled_tokens if split else 0
+        else:
             cpu += c1 - c0
             wall += w1 - w0
             steps += 1
         for o in out:
             if o.finished:
                 outs[int(o.request_id.rsplit("-", 1)[1])] = list(o.outputs[0].token_ids)
-    return cpu, wall, steps, [outs[i] for i in sorted(outs)]
+    return cpu, wall, steps, [outs[i] for i in sorted(outs)], dec, pre, prefill_tokens
 
 
 def _eagle3_head(pair: str) -> str:
@@ -145,6 +229,11 @@ def main() -> int:
     ap.add_argument("--method", choices=("adaptive", "specx_eagle3"), default="adaptive",
                     help="the drafter forced to plan zero (specx_eagle3: adaptive, over the "
                          "pair's EAGLE-3 head)")
+    ap.add_argument("--split", action="store_true",
+                    help="time the step's parts (scheduler, input preparation, forward, "
+                         "sampler, propose, ...) per decode step and per prefill token")
+    ap.add_argument("--without-run-row", action="store_true",
+                    help="leave out the row with every first pass run")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -160,8 +249,9 @@ def main() -> int:
                 "num_speculative_tokens": K, "adaptive": True}
     m = args.method
     rows_cfg = [("no speculation", None, None),
-                (f"{m}, plans 0, pass skipped", spec, True),
-                (f"{m}, plans 0, pass run", spec, False)]
+                (f"{m}, plans 0, pass skipped", spec, True)]
+    if not args.without_run_row:
+        rows_cfg.append((f"{m}, plans 0, pass run", spec, False))
     if args.compare_sampler:
         rows_cfg.append((f"{m}, plans 0, verify path", spec, True))
     engines = []
@@ -177,23 +267,30 @@ def main() -> int:
             drafter.prepare_inputs_padded = (  # type: ignore[method-assign]
                 SpecDecodeBaseProposer.prepare_inputs_padded.__get__(drafter))
         clock = _ProposeClock(drafter) if drafter is not None else None
-        _run(llm, prompts, args.max_tokens)  # warm-up, not counted
-        engines.append((name, llm, clock, drafter))
+        split = _SplitClock(llm, drafter) if args.split else None
+        _run(llm, prompts, args.max_tokens, split)  # warm-up, not counted
+        engines.append((name, llm, clock, drafter, split))
 
     rows = {n: {"cpu": [], "wall": [], "prop": []} for n, _, _ in rows_cfg}
+    parts: dict[str, dict[str, list[float]]] = {n: {} for n, _, _ in rows_cfg}
     outputs: dict[str, list] = {}
     steps: dict[str, int] = {}
     for _ in range(args.repeats):
-        for name, llm, clock, _ in engines:
+        for name, llm, clock, _, split in engines:
             before = clock.cpu if clock else 0.0
-            cpu, wall, n, outs = _run(llm, prompts, args.max_tokens)
+            cpu, wall, n, outs, dec, pre, ptok = _run(llm, prompts, args.max_tokens, split)
             rows[name]["cpu"].append(1000 * cpu / n)
             rows[name]["wall"].append(1000 * wall / n)
             rows[name]["prop"].append(1000 * ((clock.cpu if clock else 0.0) - before) / n)
             outputs[name], steps[name] = outs, n
+            for key, sec in dec.items():
+                parts[name].setdefault(f"decode ms/step {key}", []).append(1000 * sec / n)
+            for key, sec in pre.items():
+                parts[name].setdefault(f"prefill us/token {key}", []).append(
+                    1e6 * sec / max(ptok, 1))
     ref = outputs[rows_cfg[0][0]]
     result = []
-    for name, llm, _, drafter in engines:
+    for name, llm, _, drafter, _ in engines:
         r = rows[name]
         stats = drafter.specx_stats().get("cost_control", {}) if drafter else {}
         result.append({
@@ -209,7 +306,10 @@ def main() -> int:
             "idle_first_pass": stats.get("idle_first_pass"),
             "same_output_as_no_speculation": outputs[name] == ref,
         })
-    for _, llm, _, _ in engines:
+        if parts[name]:
+            result[-1]["split_cpu"] = {k: round(statistics.median(v), 3)
+                                       for k, v in parts[name].items()}
+    for _, llm, _, _, _ in engines:
         shutdown_llm(llm)
     print(json.dumps({"pair": args.pair, "dtype": default_dtype(), "batch": args.batch,
                       "max_tokens": args.max_tokens, "repeats": args.repeats,
@@ -224,6 +324,16 @@ def main() -> int:
               f"propose-cpu {r['propose_cpu_ms_per_step']:7.3f} steps {r['decode_steps']} "
               f"async {r['async_scheduling']} same {r['same_output_as_no_speculation']}",
               file=sys.stderr)
+    if args.split:
+        keys = list(result[0].get("split_cpu", {}))
+        for r in result[1:]:
+            keys += [k for k in r.get("split_cpu", {}) if k not in keys]
+        print(f"{'CPU, median over repeats':48s}" + "".join(
+            f"{r['config'][-14:]:>16s}" for r in result), file=sys.stderr)
+        for key in keys:
+            print(f"{key:48s}" + "".join(
+                f"{r.get('split_cpu', {}).get(key, float('nan')):16.3f}" for r in result),
+                file=sys.stderr)
     return 0
 
 
