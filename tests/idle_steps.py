@@ -23,13 +23,17 @@ class ScriptedIdleRates:
     def __init__(self, k: int) -> None:
         self.k = k
         self.step = 0
+        self.first: int | None = None  # the run's first request id (ids count on)
 
     def __call__(self, req_ids: list[str]) -> Any:
         self.step += 1
         out = np.full((len(req_ids), self.k), 0.02)
         idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
-        for row, rid in enumerate(req_ids):
-            i = int(str(rid).rsplit("-", 1)[0]) % 4
+        ids = [int(str(rid).rsplit("-", 1)[0]) for rid in req_ids]
+        if self.first is None:
+            self.first = min(ids)
+        for row, n in enumerate(ids):
+            i = (n - self.first) % 4
             if not idle and (self.step + i) % 2 == 0:
                 out[row] = 0.95
         return out
@@ -71,6 +75,7 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
         control.history.rates = ScriptedIdleRates(k)
         return control
 
+    drafter._kv_holes = None  # a fresh hole record: its stats are this call's
     holes = drafter.kv_holes()
     holes.pass_tokens, holes.block_size = 3, 4
     out: dict[str, Any] = {}

@@ -47,6 +47,8 @@ ENGINE_KW: dict[str, Any] = dict(
     disable_log_stats=False,
 )
 N_STAT = 400
+# The preemption scenario under forced all-zero steps: 8 x (24 + 100) tokens > the KV.
+IDLE_MANY_TOKENS = 100
 STAT_TOP_K = 3
 # The trees: 8 nodes (vLLM's K = 8); a static tree whose rank-0 path is 4 deep, with a
 # rank-1 branch fed along with it (so a node seeing a wrong ancestor, or sitting at a wrong
@@ -96,6 +98,8 @@ def runs(target: str, eagle3_head: str,
         out["plain_long"] = output_ids(generate(llm, prompts["long"], greedy(NEW_TOKENS)))
         out["plain_short"] = output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS)))
         out["plain_many"] = output_ids(generate(llm, prompts["many"], greedy(64)))
+        out["plain_many_idle"] = output_ids(generate(llm, prompts["many"],
+                                                     greedy(IDLE_MANY_TOKENS)))
         out["plain_lengths"] = output_ids(generate(llm, prompts["lengths"], greedy(NEW_TOKENS)))
 
     vllm_spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K}
@@ -170,6 +174,14 @@ def runs(target: str, eagle3_head: str,
         # Cost control forced to plan zero for everyone on runs of steps (issue 32): the
         # head's first pass is skipped there and caught up later.
         out["idle"] = run_idle_steps(llm, drafter, K, prompts["short"], greedy(NEW_TOKENS))
+        # The same with chunked prefill (the 150-token prompt, its blocks already in the
+        # prefix cache for both runs) and with preemption (fewer drafts reserve fewer
+        # slots than above, so longer outputs).
+        generate(llm, prompts["long"], greedy(NEW_TOKENS))  # the same cache for both runs
+        out["idle_long"] = run_idle_steps(llm, drafter, K, prompts["long"], greedy(NEW_TOKENS))
+        out["idle_many"], out["idle_preemptions"] = run_counting_preemptions(
+            llm, lambda: run_idle_steps(llm, drafter, K, prompts["many"],
+                                        greedy(IDLE_MANY_TOKENS)))
     finally:
         shutdown_llm(llm)
 
@@ -257,6 +269,9 @@ def test_steps_where_nobody_drafts_skip_the_heads_first_pass_and_catch_its_kv_up
     preceded by a catch-up of the head's KV. Greedy output equals no speculation and every
     round's drafts equal those of the same plans with every first pass run."""
     check_idle_steps(runs["idle"], runs["plain_short"])
+    check_idle_steps(runs["idle_long"], runs["plain_long"])
+    check_idle_steps(runs["idle_many"], runs["plain_many_idle"])
+    assert runs["idle_preemptions"] > 0
 
 
 def test_vllm_eagle3_with_the_head_stays_vllm_and_equals_no_speculation(runs):
