@@ -350,8 +350,24 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "tokens and their count out); the specx V2 sampler overrides only it"),
     # --- the specx_mtp / specx_eagle(3) drafter (a subclass of vLLM's EagleProposer) ---
     PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "hidden_states",
-                "instance attribute", ("vllm_specx/glue/eagle_chain_proposer.py",),
-                "the draft's hidden-state input buffer, filled before each lookahead pass"),
+                "instance attribute", ("vllm_specx/glue/eagle_chain_proposer.py",
+                                       "vllm_specx/glue/head_kv_holes.py"),
+                "the draft's hidden-state input buffer, filled before each lookahead pass "
+                "and each catch-up pass of a skipped first pass"),
+    *(PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", name, "instance attribute",
+                  ("vllm_specx/glue/head_kv_holes.py",),
+                  "a first pass whose inputs vLLM reshapes (parallel drafting, a "
+                  "heterogeneous vocabulary) is never skipped: its catch-up would differ")
+      for name in ("needs_extra_input_slots", "use_heterogeneous_vocab")),
+    PrivateName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "requests",
+                "instance attribute", ("vllm_specx/glue/head_kv_holes.py",),
+                "the runner's unfinished requests: kept first-pass inputs of the others "
+                "are dropped"),
+    PrivateName("vllm.v1.worker.gpu_input_batch:InputBatch", "num_computed_tokens_cpu",
+                "instance attribute", ("vllm_specx/glue/draft_passes.py",
+                                       "vllm_specx/glue/head_kv_holes.py"),
+                "each request's first query position: where a skipped first pass's hole "
+                "starts and where its catch-up ends"),
     PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "model_returns_tuple", "attribute",
                 ("vllm_specx/glue/eagle_chain_proposer.py",),
                 "whether the draft returns (LM-head input, fed-back hidden state)"),
