@@ -65,9 +65,13 @@ class SpecxRejectionSampler(RejectionSampler):
             # vLLM's runner still takes the spec-decode path, but there is nothing to
             # verify; one row per request, sampled as a step without speculation samples
             # it (same call, same generator draws, same logprobs), so the step costs a
-            # plain decode step's sampling (issue 32, docs/cost-control.md).
-            return self.sampler(logits=logits[metadata.bonus_logits_indices],
-                                sampling_metadata=sampling_metadata)
+            # plain decode step's sampling (issue 32, docs/cost-control.md). With one
+            # logits row per request the bonus rows are all rows in order (strictly
+            # increasing indices into as many rows), so the sampler takes the logits
+            # as they are rather than a gathered [B, vocab] copy.
+            if logits.shape[0] != metadata.bonus_logits_indices.shape[0]:
+                logits = logits[metadata.bonus_logits_indices]
+            return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
         # The bonus token: vLLM's own sampler, exactly as in RejectionSampler.forward.
         bonus_logits = logits[metadata.bonus_logits_indices]
         bonus_out = self.sampler(
