@@ -14,7 +14,7 @@ Three in-process engines, all alive at once, warmed up, timed passes interleaved
   without drafts sampled through the rejection sampler's verification path with zero
   drafts per row and vLLM's input preparation kernel run after it (the behaviour before
   the shortcuts: ``SpecxRejectionSampler.plain_sampling_without_drafts``,
-  ``SpecxPasses.prepare_inputs_padded``).
+  ``SpecxPasses.prepare_inputs_padded`` and ``prepare_next_token_ids_padded``).
 
 ``--method specx_eagle3`` runs the same rows for ``specx_eagle3`` with ``"adaptive": true``
 over the pair's EAGLE-3 head (real pair: the shipped head; fixture: the tests' head, built
@@ -266,6 +266,8 @@ def main() -> int:
             # and vLLM's input preparation with its kernel, as before the shortcut
             drafter.prepare_inputs_padded = (  # type: ignore[method-assign]
                 SpecDecodeBaseProposer.prepare_inputs_padded.__get__(drafter))
+            drafter.prepare_next_token_ids_padded = (  # type: ignore[method-assign]
+                SpecDecodeBaseProposer.prepare_next_token_ids_padded.__get__(drafter))
         clock = _ProposeClock(drafter) if drafter is not None else None
         split = _SplitClock(llm, drafter) if args.split else None
         _run(llm, prompts, args.max_tokens, split)  # warm-up, not counted

@@ -258,6 +258,40 @@ def test_eagle_prepare_next_token_padded():
     assert count.tolist() == want_c
 
 
+def test_specx_next_token_ids_after_a_step_without_drafts_equal_the_kernels():
+    """SpecxPasses.prepare_next_token_ids_padded's host path for one sampled column (a
+    step where cost control drafted nothing) against vLLM's method with its kernel: valid
+    tokens, a rejected (-1) row, an out-of-vocabulary row and discarded rows (prompt
+    chunks), which take the request's backup token."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.utils import CpuGpuBuffer
+
+    from vllm_specx.glue.draft_passes import SpecxPasses
+
+    vocab, n = 100, 6
+    sampled = torch.tensor([[5], [-1], [7], [150], [9], [3]], dtype=torch.int32)
+    discard_buf = torch.zeros(8, dtype=torch.bool)  # vLLM's buffer is max_num_reqs long
+    discard_buf[4] = True
+    discard_buf[5] = True
+    history = {f"r{i}": [60 + 10 * i + j for j in range(12)] for i in range(n)}
+    requests = {rid: SimpleNamespace(get_token_id=toks.__getitem__)
+                for rid, toks in history.items()}
+    batch = SimpleNamespace(num_reqs=n, req_ids=list(history), vocab_size=vocab,
+                            num_tokens_no_spec=[3, 4, 5, 6, 7, 8])
+    proposer = object.__new__(SpecxPasses)
+    proposer.backup_next_token_ids = CpuGpuBuffer(8, dtype=torch.int32, device="cpu",
+                                                  pin_memory=False)
+    want = SpecDecodeBaseProposer.prepare_next_token_ids_padded(
+        proposer, sampled, requests, batch, discard_buf)
+    got = proposer.prepare_next_token_ids_padded(sampled, requests, batch, discard_buf)
+    assert got[0].tolist() == want[0].tolist() == [5, 73, 7, 95, 106, 117]
+    assert got[1].tolist() == want[1].tolist() == [1, 0, 1, 0, 0, 0]
+    assert got[0].dtype == got[1].dtype == torch.int32
+    assert sampled[:, 0].tolist() == [5, -1, 7, 150, 9, 3]  # the sampled ids untouched
+
+
 def test_eagle_step_slot_mapping_with_padding():
     from vllm.v1.spec_decode.utils import eagle_step_update_slot_mapping_and_metadata
 

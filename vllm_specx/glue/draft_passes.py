@@ -248,6 +248,32 @@ class SpecxPasses(SpecDecodeBaseProposer):
         num_rejected = torch.zeros(num_reqs, dtype=torch.int32, device=device)
         return spec_cad, token_indices, num_rejected
 
+    def prepare_next_token_ids_padded(  # type: ignore[override]
+        self,
+        sampled_token_ids: torch.Tensor,
+        requests: dict[str, Any],
+        gpu_input_batch: Any,
+        discard_request_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's next-token ids and valid counts, without its kernel on the host after a
+        step where no request verified drafts (one sampled column): a row's next token is
+        its sampled token (count 1) unless the row is discarded (a prompt chunk) or its
+        token is invalid, which take the backup token (count 0), as the kernel does. The
+        backup tokens are read for those rows only (vLLM reads one per request, in Python,
+        every step). Other steps, and device tensors, take the base class's kernel."""
+        if sampled_token_ids.shape[1] != 1 or sampled_token_ids.device.type != "cpu":
+            return super().prepare_next_token_ids_padded(
+                sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
+        num_reqs = sampled_token_ids.shape[0]
+        tokens = sampled_token_ids[:, 0]
+        valid = ((tokens != -1) & (tokens < gpu_input_batch.vocab_size)
+                 & ~discard_request_mask[:num_reqs])
+        next_token_ids = tokens.to(torch.int32, copy=True)
+        for i in torch.nonzero(~valid).flatten().tolist():
+            next_token_ids[i] = requests[gpu_input_batch.req_ids[i]].get_token_id(
+                int(gpu_input_batch.num_tokens_no_spec[i]) - 1)
+        return next_token_ids, valid.to(torch.int32)
+
     def kv_holes(self) -> DraftKVHoles:
         """The drafter's record of draft KV that skipped first passes did not write
         (:meth:`kv_holes_class`'s)."""
