@@ -363,6 +363,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "instance attribute", ("vllm_specx/glue/head_kv_holes.py",),
                 "the runner's unfinished requests: kept first-pass inputs of the others "
                 "are dropped"),
+    PrivateName(_DRAFTER, "prepare_next_token_ids_padded", "attribute",
+                ("vllm_specx/glue/draft_passes.py",),
+                "overridden: after a step without drafts the next-token ids without the "
+                "kernel (the runner calls it before propose)"),
+    PrivateName("vllm.v1.worker.gpu_input_batch:InputBatch", "num_tokens_no_spec",
+                "instance attribute", ("vllm_specx/glue/draft_passes.py",),
+                "a discarded row's backup token sits at num_tokens_no_spec - 1 "
+                "(prepare_next_token_ids_padded)"),
     PrivateName("vllm.v1.worker.gpu_input_batch:InputBatch", "num_computed_tokens_cpu",
                 "instance attribute", ("vllm_specx/glue/draft_passes.py",
                                        "vllm_specx/glue/head_kv_holes.py"),
