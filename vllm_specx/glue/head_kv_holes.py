@@ -65,7 +65,9 @@ class HeadKVHoles(DraftKVHoles):
     def __init__(self, block_size: int, prefix_caching: bool) -> None:
         super().__init__(block_size, prefix_caching)
         self.kept: dict[str, _Kept] = {}
-        self.refused_skips = 0  # all-zero-eligible steps run because a hole would not fit
+        # Steps not allowed to skip (a hole past max_hole, or not contiguous), whatever
+        # their plan: their first pass runs, and the round plans after it.
+        self.refused_skips = 0
         self._rows: list[str] = []  # the batch's request ids, by row, for the hooks
         self._valid_end: np.ndarray | None = None
 
