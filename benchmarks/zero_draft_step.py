@@ -38,7 +38,9 @@ preparation (spec-decode metadata inside it), attention metadata, the target's f
 (EAGLE-3's auxiliary hidden-state capture inside it), the sampler, the bookkeeping, the
 drafter's ``propose`` and vLLM's ``prepare_next_token_ids_padded``), per decode step and,
 for the steps with prompt tokens, per prefill token. The parts nest as listed in
-``_SPLIT``'s comments, so they do not add up to the step.
+``_SPLIT``'s comments, so they do not add up to the step. Prefill steps are those with
+prompt tokens (the prompts of a run are prefix-cached from the warm-up unless
+``--reset-prefix-cache``); their parts are per token the step scheduled.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class _ProposeClock:
         drafter.propose = timed
 
 
-# (owner, attribute): owner "runner", "drafter" (absent without speculation), "scheduler".
+# (owner, attribute): owner "runner", "scheduler", "drafter" (absent without speculation),
+# "holes" (a skipping drafter's hole record), "head" (the drafter's model).
 # Nesting: the engine step holds schedule, execute_model, sample_tokens and
 # update_from_output; execute_model holds
 # _update_states, _prepare_inputs (which holds _calc_spec_decode_metadata),
@@ -111,6 +114,15 @@ _SPLIT = (
     ("runner", "propose_draft_token_ids"),
     ("drafter", "prepare_next_token_ids_padded"),
     ("drafter", "propose"),
+    # inside propose: the plan (cost control), and the skip's hole bookkeeping
+    # (``holes``: the drafter's DraftKVHoles / HeadKVHoles) with its catch-up passes
+    ("drafter", "plan_before_first_pass"),
+    ("holes", "keep_first_pass_inputs"),
+    ("holes", "skip"),
+    ("holes", "catch_up"),
+    ("holes", "_catch_up_spans"),
+    # EAGLE-3: the head's fc over the target's auxiliary hidden states (every step)
+    ("head", "combine_hidden_states"),
 )
 
 
@@ -120,9 +132,12 @@ class _SplitClock:
 
     def __init__(self, llm: Any, drafter: Any) -> None:
         core = llm.llm_engine.engine_core.engine_core
+        skipping = drafter is not None and drafter.skips_idle_first_pass
         owners = {"scheduler": core.scheduler,
                   "runner": llm.llm_engine.model_executor.driver_worker.worker.model_runner,
-                  "drafter": drafter}
+                  "drafter": drafter,
+                  "holes": drafter.kv_holes() if skipping else None,
+                  "head": getattr(drafter, "model", None)}
         self.cpu: dict[str, float] = {}
         self.scheduled_tokens = 0  # the tokens the last step's schedule() scheduled
         for owner, name in _SPLIT:
@@ -232,6 +247,9 @@ def main() -> int:
     ap.add_argument("--split", action="store_true",
                     help="time the step's parts (scheduler, input preparation, forward, "
                          "sampler, propose, ...) per decode step and per prefill token")
+    ap.add_argument("--reset-prefix-cache", action="store_true",
+                    help="empty vLLM's prefix cache before every run, so each run's "
+                         "prefill computes its prompts (the per-prefill-token split)")
     ap.add_argument("--without-run-row", action="store_true",
                     help="leave out the row with every first pass run")
     args = ap.parse_args()
@@ -280,6 +298,8 @@ def main() -> int:
     for _ in range(args.repeats):
         for name, llm, clock, _, split in engines:
             before = clock.cpu if clock else 0.0
+            if args.reset_prefix_cache:
+                llm.reset_prefix_cache()
             cpu, wall, n, outs, dec, pre, ptok = _run(llm, prompts, args.max_tokens, split)
             rows[name]["cpu"].append(1000 * cpu / n)
             rows[name]["wall"].append(1000 * wall / n)
