@@ -40,13 +40,14 @@ class ScriptedIdleRates:
 
 
 def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
-                   params: Any) -> dict[str, Any]:
+                   params: Any, max_hole: int | None = None) -> dict[str, Any]:
     """Generate ``prompts`` twice under the same scripted plans: once skipping the
     head's first pass on all-zero steps (its KV caught up later, in passes of at most 3
     tokens, with the hole bookkeeping in 4-position blocks so skipped steps also catch up
     block ends), once with every first pass run. Returns both outputs, each run's drafts
     per round (request ids relative to the run's first) and acceptance counts, and the
-    hole record's stats. The drafter's settings are restored afterwards."""
+    hole record's stats. ``max_hole``: a head's bound on a request's hole (steps that
+    would pass it run their first pass). The drafter's settings are restored afterwards."""
     from vllm_specx.algorithms.draft_length import StepCosts
 
     saved = dict(drafter.settings)
@@ -78,6 +79,8 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     drafter._kv_holes = None  # a fresh hole record: its stats are this call's
     holes = drafter.kv_holes()
     holes.pass_tokens, holes.block_size = 3, 4
+    if max_hole is not None:
+        holes.max_hole = max_hole
     out: dict[str, Any] = {}
     drafter.propose = propose
     try:

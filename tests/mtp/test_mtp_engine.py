@@ -134,6 +134,9 @@ def runs() -> dict[str, Any]:
         # MTP layer's first pass is skipped there and caught up later.
         out["idle"] = run_idle_steps(llm, runner.drafter, K, prompts["short"],
                                      greedy(NEW_TOKENS))
+        # Holes bounded at 3 positions: steps that would pass it run their first pass.
+        out["idle_bounded"] = run_idle_steps(llm, runner.drafter, K, prompts["short"],
+                                             greedy(NEW_TOKENS), max_hole=3)
         # Fixed K: the same engine with the adaptive stop switched off.
         runner.drafter.settings["adaptive"] = False
         out["fixed"] = counted(
@@ -185,6 +188,11 @@ def test_steps_where_nobody_drafts_skip_the_mtp_first_pass_and_catch_its_kv_up(r
     by a catch-up of the layer's KV. Greedy output equals no speculation and every round's
     drafts equal those of the same plans with every first pass run."""
     check_idle_steps(runs["idle"], runs["plain_short"])
+    # A bounded hole: some steps were not allowed to skip, the drafts are the same.
+    check_idle_steps(runs["idle_bounded"], runs["plain_short"])
+    assert runs["idle_bounded"]["holes"]["refused_skips"] > 0
+    assert runs["idle_bounded"]["holes"]["skipped_first_passes"] < (
+        runs["idle"]["holes"]["skipped_first_passes"])
 
 
 def test_fixed_k_drafts_k_for_every_request(runs):
