@@ -375,19 +375,22 @@ HEAD_DRAFT_TREE = Knob(
 MTP_DRAFT_TREE = replace(
     HEAD_DRAFT_TREE,
     help="draft a tree with the MTP layer instead of a chain, verified losslessly in one "
-    "target pass (CPU, V1 runner; the target's attention must take the tree mask: an MLA "
-    "target runs as plain attention with VLLM_MLA_DISABLE=1): a dynamic EAGLE-2 tree (per "
+    "target pass (CPU, V1 or V2 runner; the target's attention must take the tree mask: an "
+    "MLA target runs as plain attention with VLLM_MLA_DISABLE=1): a dynamic EAGLE-2 tree (per "
     "depth the top `branching` children of the `branching` likeliest nodes, one MTP pass per "
     "depth, the best `max_nodes` nodes by joint draft probability kept) or a static tree of "
     "child-rank paths (vLLM's old speculative_token_tree format); not with adaptive; true = "
     "16 / 5 / 4",
 )
-# specx_mtp's tree on Model Runner V2: not built (the V2 MTP speculator drafts chains).
+# What kept specx_mtp's tree on V1 until its V2 round (glue/v2_eagle.py's
+# MtpChainV2Speculator: the heads' tree round over vLLM's V2 MTPSpeculator) passed
+# tests/v2; (MTP_TREE_NEEDS_V1,) in V2_MTP_TREE puts it back on V1.
 MTP_TREE_NEEDS_V1 = V1OnlySetting(
     "draft_tree", True,
     "specx_mtp's tree is drafted by the V1 drafter (glue/eagle_tree_proposer.py over "
     "glue/mtp_proposer.py); its Model Runner V2 speculator drafts chains only",
 )
+V2_MTP_TREE: tuple[V1OnlySetting, ...] = ()
 
 HEAD_TREE_NEEDS_V1 = V1OnlySetting(
     "draft_tree", True,
@@ -784,10 +787,11 @@ METHODS: dict[str, MethodSpec] = {
                            named("vllm_specx.glue.mtp_proposer:require_tree_target")),
             vllm_alias="mtp",
             # As the EAGLE heads: vLLM's own V2 MTP speculator at a fixed K, the chain
-            # round over it with adaptive: true (glue/v2_eagle.py).
+            # round over it with adaptive: true, the head-tree round with draft_tree
+            # (glue/v2_eagle.py; an MLA target's tree is refused on either runner).
             runs_on_v2=True,
             v2_speculator=named("vllm_specx.glue.v2_eagle:MtpChainV2Speculator"),
-            v1_only_settings=(*V2_ADAPTIVE_STOP, MTP_TREE_NEEDS_V1),
+            v1_only_settings=(*V2_ADAPTIVE_STOP, *V2_MTP_TREE),
             v2_cudagraph="captured",
         ),
         _eagle_head_spec("specx_eagle", "eagle", "an EAGLE head (one decoder layer)",

@@ -16,7 +16,11 @@ The speculators here are those classes:
   (:class:`~.v2_speculators.V2LookaheadPasses`, over V2's block tables) and their
   ragged-length hand-over to the scheduler (``take_draft_lengths``, read by the
   ``v2_ragged_draft_lengths`` patch). Those passes run eager: their batch shrinks
-  within a round.
+  within a round;
+* with ``draft_tree`` (``specx_eagle3`` / ``specx_eagle`` / ``specx_mtp``) the rest of the
+  round is V1's head-tree round (:class:`~.eagle_tree_proposer.EagleTreeRound`: one pass
+  per depth over every node fed so far, ancestor masks, RoPE position ``P + depth``) over
+  the same lookahead passes, and the runner's V2 tree step verifies the trees.
 
 Drafts are the argmax (one-hot ``q``), verified by the specx sampler on V2.
 """
@@ -162,16 +166,11 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
         return buf
 
 
-class MtpChainV2Speculator(_ChainOverTargetDependentAR, MTPSpeculator):
-    """``specx_mtp`` on Model Runner V2: vLLM's ``MTPSpeculator``, with the adaptive round
-    when ``adaptive: true``."""
-
-
-class EagleChainV2Speculator(EagleTreeRound, _ChainOverTargetDependentAR, EagleSpeculator):
-    """``specx_eagle3`` / ``specx_eagle`` on Model Runner V2: vLLM's ``EagleSpeculator``,
-    with the adaptive round when ``adaptive: true`` and the head-tree round
-    (``glue/eagle_tree_proposer.py``, over :class:`~.v2_speculators.V2LookaheadPasses`)
-    with ``draft_tree``; the runner's V2 tree step (``glue/v2_tree_step.py``) verifies."""
+class _HeadTreeOverV2(EagleTreeRound, _ChainOverTargetDependentAR):
+    """The head-tree round (``glue/eagle_tree_proposer.py``, over
+    :class:`~.v2_speculators.V2LookaheadPasses`) with ``draft_tree``, the adaptive round
+    with ``adaptive: true``, vLLM's own drafting otherwise; the runner's V2 tree step
+    (``glue/v2_tree_step.py``) verifies. Mixed in before vLLM's speculator class."""
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         # No q with a tree, as on V1: the "deterministic" tree rule reads none.
@@ -179,3 +178,20 @@ class EagleChainV2Speculator(EagleTreeRound, _ChainOverTargetDependentAR, EagleS
             self._last_draft_probs = None
             return None
         return super().take_last_draft_probs()
+
+
+class MtpChainV2Speculator(_HeadTreeOverV2, MTPSpeculator):
+    """``specx_mtp`` on Model Runner V2: vLLM's ``MTPSpeculator``, with the adaptive round
+    when ``adaptive: true`` and the head-tree round with ``draft_tree``. The MTP layer
+    takes what an EAGLE head takes (a token's embedding and a hidden state: the target's
+    last one at the first pass, its own fed-back output after), and vLLM's V2
+    ``_run_model`` calls it without ``spec_step_idx``, so every tree depth runs the first
+    MTP layer, as on V1. An MLA target is refused before start
+    (``mtp_proposer.require_tree_target``): the tree step's masks reach plain attention
+    only."""
+
+
+class EagleChainV2Speculator(_HeadTreeOverV2, EagleSpeculator):
+    """``specx_eagle3`` / ``specx_eagle`` on Model Runner V2: vLLM's ``EagleSpeculator``,
+    with the adaptive round when ``adaptive: true`` and the head-tree round with
+    ``draft_tree``."""
