@@ -38,21 +38,38 @@ from vllm_specx.glue.draft_passes import DraftKVHoles
 
 @dataclass
 class _Kept:
-    """A request's first-pass inputs at positions ``pos0 .. pos0 + len - 1``."""
+    """A request's first-pass inputs at positions ``pos0 .. end - 1``: one part per
+    skipped step (views of that step's gathered rows, so keeping costs no work per
+    request), joined only when a catch-up reads them."""
 
     pos0: int
-    tokens: torch.Tensor  # [n] int64, the token fed at each position (the one after it)
-    hidden: torch.Tensor  # [n, H], the hidden state fed at each position
+    tokens: list[torch.Tensor]  # [n_i] int64: the token fed at each position (the next one)
+    hidden: list[torch.Tensor]  # [n_i, H]: the hidden state fed at each position
+    n: int = 0
 
     @property
     def end(self) -> int:
-        return self.pos0 + int(self.tokens.shape[0])
+        return self.pos0 + self.n
+
+    def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.tokens.append(tokens)
+        self.hidden.append(hidden)
+        self.n += int(tokens.shape[0])
+
+    def rows(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens and hidden states fed at positions ``a .. b - 1``."""
+        if len(self.tokens) > 1:
+            self.tokens, self.hidden = [torch.cat(self.tokens)], [torch.cat(self.hidden)]
+        i, j = a - self.pos0, b - self.pos0
+        return self.tokens[0][i:j], self.hidden[0][i:j]
 
     def drop_before(self, pos: int) -> None:
-        cut = min(max(pos - self.pos0, 0), int(self.tokens.shape[0]))
+        cut = min(max(pos - self.pos0, 0), self.n)
         if cut:
-            self.tokens, self.hidden = self.tokens[cut:], self.hidden[cut:]
+            tokens, hidden = self.rows(self.pos0, self.end)
+            self.tokens, self.hidden = [tokens[cut:]], [hidden[cut:]]
             self.pos0 += cut
+            self.n -= cut
 
 
 class HeadKVHoles(DraftKVHoles):
@@ -109,18 +126,24 @@ class HeadKVHoles(DraftKVHoles):
         ids[: n - 1] = target_token_ids[1:n]
         ids[last.to(ids.device)] = next_token_ids[:num_reqs].to(ids.dtype)
         first_pos = proposer.runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-        valid_end = np.empty(num_reqs, dtype=np.int64)
+        starts = qsl[:-1]
+        lens = last + 1 - starts  # accepted rows per request
+        # One gather of every request's accepted rows (copies: vLLM reuses its buffers).
+        rows = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
+        rows += torch.arange(int(lens.sum()))
+        rows = rows.to(ids.device)
+        step_tokens = ids.index_select(0, rows).to(torch.int64)
+        step_hidden = target_hidden_states.index_select(0, rows)
+        valid_end = np.asarray(first_pos, dtype=np.int64) + lens.numpy()
+        off = 0
         for i, rid in enumerate(req_ids):
-            s, e = int(qsl[i]), int(last[i]) + 1
-            q = int(first_pos[i])
-            valid_end[i] = q + (e - s)
-            piece = _Kept(q, ids[s:e].to(torch.int64).clone(), target_hidden_states[s:e].clone())
+            q, m = int(first_pos[i]), int(lens[i])
+            tokens, hidden = step_tokens[off:off + m], step_hidden[off:off + m]
+            off += m
             kept = self.kept.get(rid)
-            if kept is not None and kept.end == q:
-                kept.tokens = torch.cat([kept.tokens, piece.tokens])
-                kept.hidden = torch.cat([kept.hidden, piece.hidden])
-            else:
-                self.kept[rid] = piece
+            if kept is None or kept.end != q:
+                kept = self.kept[rid] = _Kept(q, [], [])
+            kept.append(tokens, hidden)
         self._valid_end = valid_end
         self._rows = list(req_ids)
         requests = getattr(getattr(proposer, "runner", None), "requests", None)
@@ -167,20 +190,16 @@ class HeadKVHoles(DraftKVHoles):
             self.kept.pop(rid, None)
 
     def fed_tokens(self, row: int, a: int, b: int, token_ids_cpu: np.ndarray) -> torch.Tensor:
-        kept = self.kept[self._rows[row]]
-        return kept.tokens[a - kept.pos0: b - kept.pos0]
+        return self.kept[self._rows[row]].rows(a, b)[0]
 
     def before_catch_up_pass(self, proposer: Any, rows: list[int],
                              pieces: list[tuple[int, int]]) -> None:
         """The head reads its hidden-state input from the proposer's ``hidden_states``
         buffer (``run_model``): put the kept rows there, in the pass's token order."""
-        parts = []
-        for i, (a, b) in zip(rows, pieces):
-            kept = self.kept[self._rows[i]]
-            parts.append(kept.hidden[a - kept.pos0: b - kept.pos0])
-        hidden = torch.cat(parts)
+        hidden = torch.cat([self.kept[self._rows[i]].rows(a, b)[1]
+                            for i, (a, b) in zip(rows, pieces)])
         proposer.hidden_states[: hidden.shape[0]] = hidden
 
     def as_dict(self) -> dict[str, int]:
         return {**super().as_dict(), "refused_skips": self.refused_skips,
-                "kept_positions": sum(int(k.tokens.shape[0]) for k in self.kept.values())}
+                "kept_positions": sum(k.n for k in self.kept.values())}
