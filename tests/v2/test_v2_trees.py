@@ -356,8 +356,8 @@ def set_environ(llm: Any, values: dict[str, str | None]) -> dict[str, str | None
 def _mtp_prompts() -> list[list[int]]:
     """Held-out text through the MTP fixture's tokenizer. The 70-token prompt is prefilled
     in two chunks (ENGINE_KWARGS: 64 tokens a step), both in steps without a tree: V1
-    drafts differently after a prompt chunk that shares a step with tree requests (the
-    report of issue 34's specx_mtp V2 work), which this order keeps out of the V1/V2
+    drafts other trees after a prompt chunk that shares a step with tree requests than
+    unchunked (docs/trees.md, "MTP trees on V2"), which this order keeps out of the V1/V2
     comparison."""
     from transformers import AutoTokenizer
     from v2_cases import MTP_TARGET
