@@ -181,6 +181,7 @@ class SpecxPasses(SpecDecodeBaseProposer):
                 return [[] for _ in range(num_reqs)]
             holes.catch_up(self, common_attn_metadata, req_ids, first_pos,
                            runner.input_batch.token_ids_cpu)
+        target_hidden_states = self.first_pass_hidden(target_hidden_states)
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
@@ -273,6 +274,12 @@ class SpecxPasses(SpecDecodeBaseProposer):
             next_token_ids[i] = requests[gpu_input_batch.req_ids[i]].get_token_id(
                 int(gpu_input_batch.num_tokens_no_spec[i]) - 1)
         return next_token_ids, valid.to(torch.int32)
+
+    def first_pass_hidden(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states as the first pass reads them, made only once the
+        pass runs (a skipped step keeps them as the runner handed them over): unchanged
+        here; an EAGLE-3 head combines its auxiliary layers with its ``fc``."""
+        return target_hidden_states
 
     def kv_holes(self) -> DraftKVHoles:
         """The drafter's record of draft KV that skipped first passes did not write

@@ -120,11 +120,12 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
         return HeadKVHoles
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]] | torch.Tensor:
-        """vLLM's ``propose``; an EAGLE-3 head first combines the target's auxiliary hidden
-        states with its ``fc`` (vLLM's base ``propose`` does the same before its first
-        pass; the specx first pass is spelled out in ``SpecxPasses.propose``). After a
-        tree step the accepted nodes' rows are first moved into the chain layout."""
-        if self.tree_state is not None or self.method == "eagle3":
+        """vLLM's ``propose``. After a tree step the accepted nodes' rows are first moved
+        into the chain layout (and an EAGLE-3 head's auxiliary hidden states combined by
+        its ``fc`` right away); on a chain step the combination waits for the first pass
+        (:meth:`first_pass_hidden`), so a skipped step does not pay it (its kept rows are
+        combined when the catch-up feeds them)."""
+        if self.tree_state is not None:
             def prepare(hidden: torch.Tensor) -> torch.Tensor:
                 hidden = self.path_rows_in_chain_order(hidden)
                 return (self.model.combine_hidden_states(hidden) if self.method == "eagle3"
@@ -135,6 +136,15 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
             else:  # positional: (K, token ids, positions, hidden states, ...)
                 args = (*args[:3], prepare(args[3]), *args[4:])
         return super().propose(*args, **kwargs)
+
+    def first_pass_hidden(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """An EAGLE-3 head's ``fc`` over the target's auxiliary hidden states (vLLM's base
+        ``propose`` applies it before its first pass), on a chain step (a tree step
+        combined them in :meth:`propose`); also what a catch-up feeds the kept rows
+        through (``HeadKVHoles``: chain steps only)."""
+        if self.method == "eagle3" and self.tree_state is None:
+            return self.model.combine_hidden_states(target_hidden_states)
+        return target_hidden_states
 
     def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:
         """One draft forward. The lookahead passes build draft-model inputs; the draft also

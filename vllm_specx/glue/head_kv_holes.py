@@ -8,9 +8,11 @@ hidden state at ``i`` (EAGLE: the final one; EAGLE-3: its auxiliary layers combi
 head's ``fc``; MTP: the final one), which vLLM keeps only for the step that computed it.
 :class:`HeadKVHoles` therefore keeps, on a step whose first pass is skipped, exactly what
 that pass would have been fed at each accepted position (vLLM's shifted token ids with the
-step's new token at the last accepted row, and the hidden-state rows), per request id,
-and its catch-up feeds them back at those positions in one pass (no logits), so the head's
-KV, and every draft after, is what it would have been without the skip.
+step's new token at the last accepted row, and the hidden-state rows as the runner hands
+them over: EAGLE-3's auxiliary layers uncombined, ``3 H`` wide, so a skipped step does not
+pay the ``fc``), per request id, and its catch-up feeds them back at those positions in one
+pass (EAGLE-3: through the ``fc`` first; no logits), so the head's KV, and every draft
+after, is what it would have been without the skip.
 
 Bounds: a request keeps at most :attr:`HeadKVHoles.max_hole` positions; a step that would
 take one past it (a long prefill chunk, or a long run of skipped steps without prefix
@@ -198,6 +200,8 @@ class HeadKVHoles(DraftKVHoles):
         buffer (``run_model``): put the kept rows there, in the pass's token order."""
         hidden = torch.cat([self.kept[self._rows[i]].rows(a, b)[1]
                             for i, (a, b) in zip(rows, pieces)])
+        # Kept as the runner handed them over: EAGLE-3's fc combines them now.
+        hidden = proposer.first_pass_hidden(hidden)
         proposer.hidden_states[: hidden.shape[0]] = hidden
 
     def as_dict(self) -> dict[str, int]:
