@@ -72,10 +72,10 @@ def test_methods_command_lists_methods_and_knobs():
     assert listed["adaptive"]["available"] is True and listed["adaptive"]["lossless"] is True
     assert listed["specx_mtp"]["available"] is True and listed["specx_mtp"]["lossless"] is True
     # Which model runner (docs/model-runners.md): specx_mtp runs on V2 (with the adaptive stop
-    # too; its draft_tree stays on V1); specx_eagle on V1 only, with the reason.
+    # and draft_tree too: no setting keeps it on V1); specx_eagle on V1 only, with the reason.
     runner = listed["specx_mtp"]["model_runner"]
     assert runner["v2"] is True
-    assert [line.split(":")[0] for line in runner["v1_only"]] == ["draft_tree = true"]
+    assert runner["v1_only"] == []
     assert runner["v2_cudagraph"] == "captured"
     eagle = listed["specx_eagle"]["model_runner"]
     assert eagle["v2"] is False and "no EAGLE" in eagle["v1_only"]
