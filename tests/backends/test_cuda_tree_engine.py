@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from specx_log import specx_log_lines
 
 pytestmark = [
     pytest.mark.engine,
@@ -127,26 +127,6 @@ def _runner_env(value: str | None) -> Iterator[None]:
             os.environ[V2_ENV] = old
 
 
-@contextlib.contextmanager
-def _specx_lines() -> Iterator[list[str]]:
-    """The plugin's log lines (logger ``vllm.specx``) while an engine is built."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("vllm.specx")
-    keep, level = Keep(), logger.level
-    logger.addHandler(keep)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(keep)
-        logger.setLevel(level)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The fixture target and draft, the test EAGLE-3 head, the prompts and the two tree
@@ -209,7 +189,7 @@ def _tree_engine(models: dict[str, Any], kernel_calls: dict[str, int], name: str
     from vllm_specx.engine import running_llm
 
     before = kernel_calls["n"]
-    with _runner_env(runner_env), _specx_lines() as lines, running_llm(
+    with _runner_env(runner_env), specx_log_lines() as lines, running_llm(
             models["target"], speculative_config=models["configs"][name], **ENGINE_KW) as llm:
         out = _run(llm, models["prompts"])
         out["engine"] = _describe(llm)

@@ -18,6 +18,7 @@ On CPU the tree kernel runs in the ``triton_call`` child under ``TRITON_INTERPRE
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -72,20 +73,17 @@ def _layer_inputs(triton_attn, b: dict, pad: int):
     return impl, metadata, layer, query, b["kv"].to(DEVICE), output
 
 
-def test_patched_forward_with_tree_masks_gives_the_tree_attention(
-        triton_attn, triton_call, monkeypatch) -> None:
-    # Trees of 16 and 3 nodes, decodes, a 30-row chunked prefill and a 4-row chain.
-    b = make_batch(2029, 16, HEADS, KV_HEADS, HEAD, "HND", max_nodes=16)
-    n, pad = b["query"].shape[0], 3
-    impl, metadata, layer, query, kv, output = _layer_inputs(triton_attn, b, pad)
+def _tree_kernel_only(triton_attn: Any, triton_call: Any, monkeypatch: Any) -> list[dict]:
+    """vLLM's ``unified_attention`` made to fail if reached; on CPU the tree kernel runs in
+    the interpreter child and writes into the layer's own rows. Returns the list of the
+    kernel's calls (CPU only; on a GPU the kernel runs in-process and nothing is recorded)."""
 
     def not_vllms(**_):
         raise AssertionError("a tree step reached vLLM's unified_attention")
 
     monkeypatch.setattr(triton_attn, "unified_attention", not_vllms)
-    calls = []
+    calls: list[dict] = []
     if DEVICE == "cpu":
-        # The kernel in the interpreter child; written into the layer's own rows.
         from vllm_specx.backends import cuda
 
         def remote(**kw):
@@ -94,6 +92,17 @@ def test_patched_forward_with_tree_masks_gives_the_tree_attention(
             return kw["out"]
 
         monkeypatch.setattr(cuda, "tree_attention", remote)
+    return calls
+
+
+def test_patched_forward_with_tree_masks_gives_the_tree_attention(
+        triton_attn, triton_call, monkeypatch) -> None:
+    # Trees of 16 and 3 nodes, decodes, a 30-row chunked prefill and a 4-row chain.
+    b = make_batch(2029, 16, HEADS, KV_HEADS, HEAD, "HND", max_nodes=16)
+    n, pad = b["query"].shape[0], 3
+    impl, metadata, layer, query, kv, output = _layer_inputs(triton_attn, b, pad)
+
+    calls = _tree_kernel_only(triton_attn, triton_call, monkeypatch)
     masks = QueryMasks.causal_except(b["q_lens"], b["trees"])
     with query_masks(masks):
         got = impl.forward(layer, query, query, query, kv, metadata, output=output)
@@ -142,20 +151,7 @@ def test_the_route_under_model_runner_v2s_metadata(triton_attn, triton_call,
     assert type(metadata) is triton_attn.TritonAttentionMetadata
     assert metadata.num_actual_tokens == n and metadata.causal is True
 
-    def not_vllms(**_):
-        raise AssertionError("a tree step reached vLLM's unified_attention")
-
-    monkeypatch.setattr(triton_attn, "unified_attention", not_vllms)
-    calls = []
-    if DEVICE == "cpu":
-        from vllm_specx.backends import cuda
-
-        def remote(**kw):
-            calls.append(kw)
-            kw["out"].copy_(triton_call("triton_tree_attention:tree_attention", **kw))
-            return kw["out"]
-
-        monkeypatch.setattr(cuda, "tree_attention", remote)
+    calls = _tree_kernel_only(triton_attn, triton_call, monkeypatch)
     with query_masks(QueryMasks.causal_except(b["q_lens"], b["trees"])):
         got = impl.forward(layer, query, query, query, kv, metadata, output=output)
     assert got is output

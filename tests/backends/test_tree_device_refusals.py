@@ -7,6 +7,7 @@ V1 there), and the one line logged before start on CUDA names the runner."""
 from __future__ import annotations
 
 import pytest
+from specx_log import specx_log_lines
 
 from vllm_specx.backends import backend_for_device
 from vllm_specx.config import SpecxConfigError, translate
@@ -70,7 +71,6 @@ def test_the_one_cuda_tree_line_names_the_runner(env, runner, monkeypatch) -> No
     config is not refused with VLLM_USE_V2_MODEL_RUNNER=1, gets TRITON_ATTN and eager,
     and the one line before start names the runner vLLM will pick (and no second,
     contradicting runner line is logged)."""
-    import logging
 
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -87,24 +87,11 @@ def test_the_one_cuda_tree_line_names_the_runner(env, runner, monkeypatch) -> No
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("vllm.specx")
-    keep, level = Keep(), logger.level
-    logger.addHandler(keep)
-    logger.setLevel(logging.INFO)
-    try:
+    with specx_log_lines() as lines:
         root = fixtures_root()
         args = EngineArgs(model=str(root / "target"), speculative_config={
             **TREES["adaptive"], "model": str(root / "draft")})
         args.create_speculative_config(args.create_model_config(), ParallelConfig())
-    finally:
-        logger.removeHandler(keep)
-        logger.setLevel(level)
     said = [line for line in lines if "Model Runner" in line]
     assert len(said) == 1, said
     assert "with draft_tree on CUDA" in said[0] and "TRITON_ATTN" in said[0], said

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from specx_log import specx_log_lines
 
 from vllm_specx.config import SPECX_CONFIG_KEY
 from vllm_specx.glue.patches import ALL_PATCHES, SpeculativeConfigTranslation
@@ -332,7 +333,6 @@ def test_the_runner_line_names_the_runner_vllm_chooses(model_dir, monkeypatch, e
     """Issue 36 item 3: the front end used to log "... on Model Runner V2" even when
     VLLM_USE_V2_MODEL_RUNNER=0 (or a CPU without Triton) made vLLM build V1. The line
     now names the runner VllmConfig.use_v2_model_runner chooses."""
-    import logging
 
     from vllm.triton_utils import HAS_TRITON
 
@@ -342,22 +342,9 @@ def test_the_runner_line_names_the_runner_vllm_chooses(model_dir, monkeypatch, e
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("vllm.specx")
-    handler, level = Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with specx_log_lines() as lines:
         cfg = engine_config(model_dir, {"method": "adaptive", "model": model_dir,
                                         "num_speculative_tokens": 2})
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     announced = [line for line in lines if "on Model Runner" in line]
     assert len(announced) == 1, lines
     runner = "V2" if cfg.use_v2_model_runner else "V1"
