@@ -226,17 +226,42 @@ class ChainRound:
         state = rule.start(num_reqs, device)
         # The drafts stay on the device while the round runs and are read once, after it:
         # a pass reads back only what the host must know to build it (which requests are
-        # still drafting, when the rule decides that per row).
-        tokens = start.out.new_zeros((num_reqs, k_max), dtype=torch.int64)
-        lengths = start.out.new_zeros((num_reqs,), dtype=torch.int64)
+        # still drafting, when the rule decides that per row). While every request is
+        # still drafting (always, for a fixed K) the drafts are kept as one column per
+        # depth, stacked once at the end, and the hidden states pass straight to the next
+        # pass: no scatter into [R, K] per depth, no gather of the live rows, and the
+        # lengths are known on the host (a GPU launches fewer kernels per pass).
+        # ``tokens``/``lengths`` ([R, K], [R] on the device) exist only once some request
+        # stopped or was planned out (or the sampler keeps q per request).
+        cols: list[torch.Tensor] = []
+        tokens: torch.Tensor | None = None
+        lengths: torch.Tensor | None = None
         q_full = None
-        # [R, H]: each request's latest hidden state, for drafters whose next pass reads it.
-        hidden_by_req = head_in.clone() if self.feeds_hidden else None
+        # [R, H]: each request's latest hidden state, for drafters whose next pass reads
+        # it, once the rows stop being the whole batch in order.
+        hidden_by_req: torch.Tensor | None = None
         live = torch.arange(num_reqs)  # host indices of the requests still drafting
-        dev_live = live.to(device)
+        dev_live: torch.Tensor | None = None  # None: every request, in batch order
+
+        def scatter_from_now(depth: int) -> None:
+            # From here on, drafts are written per row: the batch shrinks (or did).
+            nonlocal tokens, lengths, hidden_by_req, dev_live
+            if tokens is not None:
+                return
+            dev_live = live.to(device)
+            tokens = start.out.new_zeros((num_reqs, k_max), dtype=torch.int64)
+            lengths = start.out.new_full((num_reqs,), depth, dtype=torch.int64)
+            if cols:
+                tokens[:, :depth] = torch.stack(cols, dim=1)
+            if self.feeds_hidden:
+                hidden_by_req = head_in.clone()
+
+        if keep_q:
+            scatter_from_now(0)
         if caps is not None and not bool(caps.all()):
             # Cost control planned zero tokens for some requests: the drafter does no
             # work for them (not even their first token's logits); nobody: no work at all.
+            scatter_from_now(0)
             live = live[caps > 0]
             if live.numel() == 0:
                 self.stats.record([0] * num_reqs, k_max, start.first_tokens, 0, 0)
@@ -244,8 +269,10 @@ class ChainRound:
                 return [[] for _ in range(num_reqs)]
             dev_live = live.to(device)
             lm_in, head_in = lm_in[dev_live], head_in[dev_live]
-
+        # Passes fed one token per row (``run_chain``) where the runner's passes have
+        # them (V1); else the general pass over the drafts so far.
         passes = self.lookahead_passes(start.cad, start.sample_positions, start.base_seq_lens)
+        run_chain = getattr(passes, "run_chain", None)
         n_passes = n_rows = 0
         depth = 0
         while True:
@@ -262,58 +289,83 @@ class ChainRound:
             if q_full is None and keep_q:
                 q_full = torch.zeros(num_reqs, k_max, probs.shape[-1], dtype=torch.float32,
                                      device=device)
-            tokens[dev_live, depth] = y
-            lengths[dev_live] = depth + 1
-            if q_full is not None:
-                q_full[dev_live, depth] = probs
+            if tokens is None:
+                cols.append(y)
+            else:
+                tokens[dev_live, depth] = y
+                lengths[dev_live] = depth + 1
+                if q_full is not None:
+                    q_full[dev_live, depth] = probs
             if last:
                 break
             # Go on (feed Y_{depth+1}) or stop with depth + 1 tokens, per request.
             keep = None
             if stepping:
                 y_prob = probs.gather(1, y.view(-1, 1)).squeeze(1)
+                row_state = state if dev_live is None else state[dev_live]
                 new_state, keep = rule.step(
-                    state[dev_live], depth, next_token_probs=y_prob, next_probs=probs,
+                    row_state, depth, next_token_probs=y_prob, next_probs=probs,
                     hidden=head_in if rule.needs_hidden else None,
                 )
-                state[dev_live] = new_state.to(state.dtype)
+                if dev_live is None:
+                    state = new_state.to(state.dtype)
+                else:
+                    state[dev_live] = new_state.to(state.dtype)
             fixed = fixed_keep(rule, depth)
+            fed = y
             if fixed is None:
                 # The one read a pass needs: which requests go on (the host builds the
                 # next pass's metadata over them).
-                live = live[keep.to("cpu")]
+                keep_host = keep.to("cpu")
+                if not bool(keep_host.all()):
+                    scatter_from_now(depth + 1)
+                    live = live[keep_host]
+                    if live.numel() == 0:
+                        break
+                    # (index_select at host indices: a device bool mask would sync)
+                    fed = y.index_select(0, keep_host.nonzero().squeeze(1).to(device))
+                    dev_live = live.to(device)
             elif not fixed:
-                break
-            if live.numel() == 0:
                 break
             depth += 1
             # Feed Y_depth to the requests still drafting (their KV for Y_1..Y_{depth-1}
             # was written by the earlier passes of this round): the batch shrinks.
-            dev_live = live.to(device)
-            if hidden_by_req is not None:
-                self.feed_hidden(hidden_by_req[dev_live])
-            first_fed = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
-            lm_in, head_in = self.read_pass(passes.run(live, tokens[dev_live, :depth], first_fed))
+            if self.feeds_hidden:
+                self.feed_hidden(head_in if hidden_by_req is None
+                                 else hidden_by_req[dev_live])
+            if run_chain is not None:
+                out = run_chain(live, dev_live, fed, depth)
+            else:
+                feed_from = torch.full((live.numel(),), depth - 1, dtype=torch.int64)
+                so_far = (torch.stack(cols, dim=1) if tokens is None
+                          else tokens[dev_live, :depth])
+                out = passes.run(live, so_far, feed_from)
+            lm_in, head_in = self.read_pass(out)
             if hidden_by_req is not None:
                 hidden_by_req[dev_live] = head_in
             n_passes += 1
             n_rows += live.numel()
 
-        # The round's one read of its drafts.
-        tokens, lengths = tokens.cpu(), lengths.cpu()
+        # The round's one read of its drafts (and of their lengths, once the batch shrank).
+        if tokens is None:
+            tokens_host = torch.stack(cols, dim=1).cpu()
+            lengths_host = torch.full((num_reqs,), len(cols), dtype=torch.int64)
+        else:
+            tokens_host, lengths_host = tokens.cpu(), lengths.cpu()
         if caps is not None:
-            lengths = torch.minimum(lengths, caps)
+            lengths_host = torch.minimum(lengths_host, caps)
             # The confidences the cost stop read, for its calibration (after the read
             # above, so no extra wait).
             confidences = (rule.confidences(state).cpu()
                            if isinstance(rule, CostStop) and rule.reads_confidence else None)
-            control.end(req_ids, lengths.tolist(), n_passes, n_rows, confidences)
-        self.stats.record(lengths.tolist(), k_max, start.first_tokens, n_passes, n_rows)
+            control.end(req_ids, lengths_host.tolist(), n_passes, n_rows, confidences)
+        length_list = lengths_host.tolist()
+        self.stats.record(length_list, k_max, start.first_tokens, n_passes, n_rows)
         if q_full is not None:
             # The runner slices [row, :num_draft] per request: rows past a request's
             # length are never read.
             self._last_draft_probs = q_full
-        return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
+        return [row[:n] for row, n in zip(tokens_host.tolist(), length_list)]
 
 
 class ChainDrafter(ChainRound, SpecxPasses):

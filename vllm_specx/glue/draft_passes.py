@@ -386,8 +386,93 @@ class LookaheadPasses:
         self.device = sample_positions.device
         self.max_model_len = proposer.max_model_len
         self.block_size = proposer.block_size
-        self.positions_cpu = sample_positions.to("cpu", torch.int64)  # P per request
-        self.base_seq_cpu = base_seq_lens.to("cpu", torch.int64)  # P + 1 per request
+        self.num_reqs = int(sample_positions.shape[0])
+        # P and P + 1 per request: on the device for the chain passes (their positions,
+        # sequence lengths and slots are computed there, no copy per pass), and on the
+        # host (one read for both, once per round) for what the host must know: the
+        # metadata's host-side sequence lengths and the general passes' positions.
+        self.positions_dev = sample_positions.to(torch.int64)
+        self.base_seq_dev = base_seq_lens.to(torch.int64)
+        host = torch.stack([self.positions_dev, self.base_seq_dev]).cpu()
+        self.positions_cpu, self.base_seq_cpu = host[0], host[1]
+
+    def run_chain(self, rows: torch.Tensor, dev_rows: torch.Tensor | None,
+                  fed: torch.Tensor, depth: int) -> torch.Tensor:
+        """:meth:`run` for a chain round's pass at ``depth`` (>= 1): request ``rows[i]``
+        is fed one token, ``fed[i]`` (on the device), at position ``P + depth`` (the
+        earlier ``depth - 1`` drafts' KV is in its slots). The same inputs as
+        ``run(rows, tails, start=depth - 1)`` with ``tails[:, -1] == fed``, built with
+        fewer ops and no host-to-device copy of positions: positions, sequence lengths
+        and slots are computed on the device from the round's ``P``; only the query
+        layout and the host-side sequence lengths are built on the host.
+        ``dev_rows`` None: ``rows`` is every request of the batch, in order."""
+        n = int(rows.shape[0])
+        dev = self.device
+        pos = self.positions_dev if dev_rows is None else self.positions_dev[dev_rows]
+        seq_lens = self.base_seq_dev if dev_rows is None else self.base_seq_dev[dev_rows]
+        pos = pos + depth
+        seq_lens = (seq_lens + depth).clamp(max=self.max_model_len)
+        seq_cpu = self.base_seq_cpu if dev_rows is None else self.base_seq_cpu[rows]
+        seq_cpu = (seq_cpu + depth).clamp(max=self.max_model_len)
+        # Near max_model_len: vLLM's drafter clamps and writes nothing out of range.
+        too_far = pos >= self.max_model_len
+        pos = pos.clamp(max=self.max_model_len - 1)
+        qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+        block_table = self.cad.block_table_tensor
+        if dev_rows is not None:
+            block_table = block_table[dev_rows]
+        block_idx = (pos // self.block_size).clamp(max=block_table.shape[1] - 1)
+        blocks = block_table[:n].gather(1, block_idx.view(-1, 1)).view(-1).to(torch.int64)
+        slot_mapping = (blocks * self.block_size + pos % self.block_size).masked_fill(
+            too_far, PADDING_SLOT_ID)
+        cad = self.cad.replace(
+            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens.to(self.cad.seq_lens.dtype),
+            seq_lens_cpu_upper_bound=seq_cpu.to(torch.int32),
+            num_reqs=n,
+            num_actual_tokens=n,
+            max_query_len=1,
+            max_seq_len=int(seq_cpu.max()),
+            block_table_tensor=block_table[:n],
+            slot_mapping=slot_mapping,
+            positions=None,
+            is_prefilling=None,
+            dcp_local_seq_lens=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        return self._forward(cad, depth, n, fed, pos, slot_mapping)[:n]
+
+    def _forward(self, cad: CommonAttentionMetadata, draft_index: int, num_tokens: int,
+                 token_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> torch.Tensor:
+        """One draft forward over ``cad`` with the pass's tokens and positions (on the
+        host or the device): the final hidden state of every fed token."""
+        p = self.p
+        dev = self.device
+        _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(
+            cad, draft_index=draft_index)
+        padding = p._determine_batch_execution_and_padding(num_tokens)
+        num_input_tokens = padding[1]
+        p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
+        p.positions[:num_tokens] = positions.to(dev)
+        if p.supports_mm_inputs:
+            p.inputs_embeds[:num_tokens] = p.model.embed_input_ids(p.input_ids[:num_tokens])
+            input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
+        else:
+            input_ids, inputs_embeds = p.input_ids[:num_input_tokens], None
+        return p._draft_forward(
+            per_layer_attn_metadata,
+            num_tokens,
+            padding,
+            p._get_slot_mapping(num_input_tokens, slot_mapping),
+            dict(
+                input_ids=input_ids,
+                positions=p._get_positions(num_input_tokens),
+                inputs_embeds=inputs_embeds,
+            ),
+        )
 
     def run(
         self,
@@ -406,7 +491,6 @@ class LookaheadPasses:
         pass); each such row then needs its own KV slots: ``block_table`` ([len(rows), W]
         on the device) replaces the rows' block-table rows (default: the request's own).
         """
-        p = self.p
         n, j = tails.shape
         q_lens = j - start
         cols = torch.arange(j)
@@ -450,27 +534,7 @@ class LookaheadPasses:
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(cad, draft_index=j)
-        padding = p._determine_batch_execution_and_padding(num_tokens)
-        num_input_tokens = padding[1]
-        p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
-        p.positions[:num_tokens] = positions.to(dev)
-        if p.supports_mm_inputs:
-            p.inputs_embeds[:num_tokens] = p.model.embed_input_ids(p.input_ids[:num_tokens])
-            input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
-        else:
-            input_ids, inputs_embeds = p.input_ids[:num_input_tokens], None
-        hidden_states = p._draft_forward(
-            per_layer_attn_metadata,
-            num_tokens,
-            padding,
-            p._get_slot_mapping(num_input_tokens, slot_mapping),
-            dict(
-                input_ids=input_ids,
-                positions=p._get_positions(num_input_tokens),
-                inputs_embeds=inputs_embeds,
-            ),
-        )
+        hidden_states = self._forward(cad, j, num_tokens, token_ids, positions, slot_mapping)
         last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
         return hidden_states[last]
 
