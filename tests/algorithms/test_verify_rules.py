@@ -268,3 +268,30 @@ def test_verify_greedy_equals_verify_on_all_greedy_batches() -> None:
             assert torch.equal(out, V.verify(greedy)), (variant, seed)
             emitted, _ = reference_verify(greedy)
             assert [[t for t in row if t != -1] for row in out.tolist()] == emitted
+
+
+def test_verify_greedy_uniform_equals_the_ragged_path() -> None:
+    """The fixed-K shortcut of verify_greedy (every request has exactly K drafts, known on
+    the host) gives what the ragged path gives: random batches with every accepted
+    length 0..K present (drafts copied from the target's argmax up to a random point,
+    then a different token), K = 1..5."""
+    gen = torch.Generator().manual_seed(7)
+    for k in range(1, 6):
+        for trial in range(20):
+            b = 1 + trial % 7
+            target = torch.randint(0, 11, (b * k,), generator=gen)
+            drafts = target.clone().view(b, k)
+            cut = torch.randint(0, k + 1, (b,), generator=gen)
+            for r in range(b):
+                c = int(cut[r])
+                if c < k:
+                    drafts[r, c] = (target.view(b, k)[r, c] + 1) % 11
+                    drafts[r, c + 1:] = torch.randint(0, 11, (k - c - 1,), generator=gen)
+            drafts = drafts.reshape(-1).to(torch.int32)
+            bonus = torch.randint(0, 11, (b, 1), generator=gen).to(torch.int32)
+            cu = torch.arange(1, b + 1, dtype=torch.int32) * k
+            ragged = V.verify_greedy(drafts, cu, target, bonus, k)
+            fast = V.verify_greedy(drafts, cu, target, bonus, k, uniform=True)
+            assert fast.dtype == torch.int64 and torch.equal(fast, ragged), (k, trial)
+            accepted = (ragged != -1).sum(dim=1) - 1
+            assert torch.equal(accepted, cut), (k, trial)

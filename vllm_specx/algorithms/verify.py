@@ -500,6 +500,7 @@ def verify_greedy(
     target_argmax: torch.Tensor,
     bonus_token_ids: torch.Tensor,
     max_spec_len: int,
+    uniform: bool = False,
 ) -> torch.Tensor:
     """:func:`verify` for a batch whose requests are ALL greedy, from token ids alone.
 
@@ -511,7 +512,15 @@ def verify_greedy(
     sampler takes the same shortcut); the output equals :func:`verify` on the same step
     with ``is_greedy`` all True and ``bonus_probs`` one-hot at ``bonus_token_ids``, under
     either rule. ``[B, max_spec_len + 1]`` int64, no host sync.
+
+    ``uniform=True`` (the caller knows on the host that every request has exactly
+    ``max_spec_len`` drafts, a fixed-K step): the same output from a ``[B, K]`` view of
+    the drafts, with no ragged layout to build: a fraction of the ops, which is what an
+    all-greedy step costs on a GPU, where each op is a kernel launch.
     """
+    if uniform and max_spec_len > 0:
+        return _verify_greedy_uniform(draft_token_ids, target_argmax, bonus_token_ids,
+                                      max_spec_len)
     bonus = bonus_token_ids.reshape(-1).to(torch.int64)
     num_tokens = int(draft_token_ids.shape[0])
     layout = request_layout(cu_num_draft_tokens, num_tokens, max_spec_len)
@@ -525,3 +534,21 @@ def verify_greedy(
             0, _extra_token_row(num_accepted, layout))
         extra = torch.where(num_accepted >= layout.num, bonus, at_row)
     return assemble_output(draft_token_ids, num_accepted, extra, layout)
+
+
+def _verify_greedy_uniform(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor,
+                           bonus_token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`verify_greedy` when every request has exactly ``k`` drafts (``T = B k``).
+
+    Row ``r`` of ``[target_argmax | bonus]`` (``[B, K + 1]``) is the output itself up to
+    the first mismatch ``n``: before it the drafts equal the target's greedy tokens, at
+    it stands the target's token (or the bonus after a full accept), then -1."""
+    b = bonus_token_ids.numel()
+    target = target_argmax.to(torch.int64).view(b, k)
+    match = draft_token_ids.to(torch.int64).view(b, k) == target
+    # The first mismatch (k if none) as a float min, as first_rejection takes it (no
+    # boolean cumprod: a reduction every device has).
+    steps = torch.arange(k + 1, device=target.device, dtype=torch.float32)
+    num_accepted = torch.where(match, float(k), steps[:k]).amin(dim=1, keepdim=True)
+    out = torch.cat([target, bonus_token_ids.reshape(b, 1).to(torch.int64)], dim=1)
+    return out.masked_fill(steps[None, :] > num_accepted, PLACEHOLDER_TOKEN_ID)

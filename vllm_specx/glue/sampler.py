@@ -271,9 +271,14 @@ class SpecxRejectionSampler(RejectionSampler):
             # tokens, so skip the [T, V] softmax, the [B, V] one-hot bonus rows and the
             # random draws, as vLLM's sampler does for an all-greedy step (same output:
             # tests/algorithms/test_verify_rules.py).
+            # Every request with exactly max_spec_len drafts (a fixed-K step; the counts
+            # are a host list): the [B, K] shortcut, a fraction of the ops (kernel
+            # launches on a GPU) of the ragged layout.
+            k = metadata.max_spec_len
+            uniform = all(n == k for n in metadata.num_draft_tokens)
             return verify_greedy(metadata.draft_token_ids, metadata.cu_num_draft_tokens,
-                                 target_argmax, bonus_token_ids,
-                                 metadata.max_spec_len).to(torch.int32)
+                                 target_argmax, bonus_token_ids, k,
+                                 uniform=uniform).to(torch.int32)
         num_draft_tokens: list[int] = list(metadata.num_draft_tokens)
         batch_size = len(num_draft_tokens)
         num_tokens, vocab_size = target_logits.shape
