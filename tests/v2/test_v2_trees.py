@@ -355,9 +355,10 @@ def set_environ(llm: Any, values: dict[str, str | None]) -> dict[str, str | None
 
 def _mtp_prompts() -> list[list[int]]:
     """Held-out text through the MTP fixture's tokenizer. The 70-token prompt is prefilled
-    in two chunks (ENGINE_KWARGS: 64 tokens a step), both in steps without a tree: V1
-    drafts other trees after a prompt chunk that shares a step with tree requests than
-    unchunked (docs/trees.md, "MTP trees on V2"), which this order keeps out of the V1/V2
+    in two chunks (ENGINE_KWARGS: 64 tokens a step), both in steps without drafts: in a
+    step with drafts vLLM's V1 feeds a partly prefilled request's draft its last prompt
+    token instead of the token after the chunk, so V1 drafts other trees afterwards (V2
+    does not; docs/trees.md, "MTP trees on V2"), which this order keeps out of the V1/V2
     comparison."""
     from transformers import AutoTokenizer
     from v2_cases import MTP_TARGET
@@ -388,6 +389,10 @@ def mtp_tree_runs(v2_engine, v2_host) -> dict[str, Any]:
             out["v1"] = run_head_trees(llm, prompts)
     finally:
         set_environ(None, old)
+    # One engine at a time in the host (conftest), and none running while the variable
+    # changes: a running engine keeps vLLM's VLLM_* cache on (stopping one clears it).
+    for key in list(v2_host.running):
+        v2_host.stop(key)
     host_old = v2_host.call(None, f"{__name__}:set_environ", MLA_OFF)
     try:
         description = v2_engine("mtp-tree", MTP_TARGET, speculative_config=spec,
