@@ -15,6 +15,10 @@ forward included):
 
 * ``aten_ops``: aten ops that reach a kernel (a ``TorchDispatchMode`` counts each op
   after decomposition: about one kernel launch each on a GPU);
+* ``launches``: those of them that would launch a kernel (not views, metadata-only
+  ops, allocations or ``to`` calls that copy nothing). Ops on host tensors (the
+  metadata vLLM and specx build on the host) are counted too: they cost host time but
+  no launch on a GPU, so both counts over-state a GPU's launches alike;
 * ``host_reads``: calls that bring tensor values to the host (``item``, ``tolist``,
   ``cpu``/``to("cpu")``, ``bool``/``int``/``float``, ``nonzero``, ``torch.equal``,
   ``numpy``) with their call sites. On this CPU run every tensor is a host tensor, so
@@ -44,10 +48,20 @@ _READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", 
           "nonzero", "equal"}
 
 
+# Ops that launch no kernel on a GPU: views and metadata-only ops, allocations (``to`` /
+# ``_to_copy`` count only when they copy; see ``_Ops``).
+_NO_LAUNCH = {"view", "_unsafe_view", "reshape", "_reshape_alias", "slice", "select",
+              "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "as_strided",
+              "alias", "detach", "lift_fresh", "resolve_conj", "resolve_neg", "split",
+              "split_with_sizes", "unbind", "empty", "empty_like", "new_empty",
+              "empty_strided", "item", "_local_scalar_dense", "to", "_to_copy"}
+
+
 class _Counter:
     def __init__(self) -> None:
         self.scopes: list[str] = []
         self.ops: collections.Counter[str] = collections.Counter()
+        self.launches: collections.Counter[str] = collections.Counter()
         self.op_names: dict[str, collections.Counter[str]] = collections.defaultdict(
             collections.Counter)
         self.reads: collections.Counter[str] = collections.Counter()
@@ -76,9 +90,13 @@ class _Ops(TorchDispatchMode):
         if COUNT.on and COUNT.scopes:
             name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") \
                 else str(func)
+            out = func(*args, **(kwargs or {}))
+            copies = name in ("to", "_to_copy") and not (args and out is args[0])
             for s in COUNT.scopes:
                 COUNT.ops[s] += 1
+                COUNT.launches[s] += name not in _NO_LAUNCH or copies
             COUNT.op_names[COUNT.scopes[-1]][name] += 1
+            return out
         return func(*args, **(kwargs or {}))
 
 
@@ -178,8 +196,9 @@ def main() -> int:
         outputs[name] = outs
         report[name] = {"steps": steps, **{
             f"{s}_{k}": round(getattr(COUNT, a)[s] / steps, 2)
-            for s in ("propose", "sampler", "step") for k, a in (("aten_ops", "ops"),
-                                                                  ("host_reads", "reads"))}}
+            for s in ("propose", "sampler", "step")
+            for k, a in (("aten_ops", "ops"), ("launches", "launches"),
+                         ("host_reads", "reads"))}}
         report[name]["read_sites_per_step"] = {
             s: {site: round(n / steps, 2) for site, n in COUNT.sites[s].most_common()}
             for s in ("propose", "sampler", "step")}

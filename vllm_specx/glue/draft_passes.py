@@ -20,7 +20,9 @@ with different rows.
 vLLM private names relied on here: ``DraftModelProposer.set_inputs_first_pass``,
 ``build_model_inputs_first_pass``, ``build_per_group_and_layer_attn_metadata``,
 ``_determine_batch_execution_and_padding``, ``_get_slot_mapping``, ``_get_positions``,
-``input_ids``/``positions``/``inputs_embeds`` buffers, ``CommonAttentionMetadata.replace``.
+``input_ids``/``positions``/``inputs_embeds`` buffers, ``CommonAttentionMetadata.replace``;
+and ``spec_decode.utils.eagle_step_update_slot_mapping_and_metadata`` (vLLM's fused EAGLE
+step kernel, which the chain passes launch once per pass on CUDA and CPU).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+from vllm.v1.spec_decode.utils import (
+    PADDING_SLOT_ID,
+    eagle_step_update_slot_mapping_and_metadata,
+)
 
 from vllm_specx.algorithms.draft_stop import DraftStopRule, make_stop_rule
 from vllm_specx.methods import METHODS
@@ -358,6 +363,10 @@ class SpecxDraftModelProposer(SpecxPasses, DraftModelProposer):
     drafters (``adaptive``, ``mtad``)."""
 
 
+# Devices where vLLM's fused EAGLE step kernel runs (Triton on CUDA, vLLM's CPU op).
+_FUSED_STEP_DEVICES = ("cuda", "cpu")
+
+
 def fed_tokens(tails: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
     """``tails[feed]`` (row-major) with ``feed`` a host bool mask and ``tails`` on the host
     or the device: a gather at host-computed indices, so drafts that stay on the device
@@ -395,6 +404,11 @@ class LookaheadPasses:
         self.base_seq_dev = base_seq_lens.to(torch.int64)
         host = torch.stack([self.positions_dev, self.base_seq_dev]).cpu()
         self.positions_cpu, self.base_seq_cpu = host[0], host[1]
+        # The chain passes' query layout (one token per row), made once per round.
+        self._qsl_cpu = torch.arange(self.num_reqs + 1, dtype=torch.int32)
+        self._qsl_dev = self._qsl_cpu.to(self.device)
+        # (positions, sequence lengths) of the last chain pass over the whole batch.
+        self._step_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def run_chain(self, rows: torch.Tensor, dev_rows: torch.Tensor | None,
                   fed: torch.Tensor, depth: int) -> torch.Tensor:
@@ -407,34 +421,30 @@ class LookaheadPasses:
         layout and the host-side sequence lengths are built on the host.
         ``dev_rows`` None: ``rows`` is every request of the batch, in order."""
         n = int(rows.shape[0])
-        dev = self.device
-        pos = self.positions_dev if dev_rows is None else self.positions_dev[dev_rows]
-        seq_lens = self.base_seq_dev if dev_rows is None else self.base_seq_dev[dev_rows]
-        pos = pos + depth
-        seq_lens = (seq_lens + depth).clamp(max=self.max_model_len)
-        seq_cpu = self.base_seq_cpu if dev_rows is None else self.base_seq_cpu[rows]
-        seq_cpu = (seq_cpu + depth).clamp(max=self.max_model_len)
-        # Near max_model_len: vLLM's drafter clamps and writes nothing out of range.
-        too_far = pos >= self.max_model_len
-        pos = pos.clamp(max=self.max_model_len - 1)
-        qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
         block_table = self.cad.block_table_tensor
         if dev_rows is not None:
             block_table = block_table[dev_rows]
-        block_idx = (pos // self.block_size).clamp(max=block_table.shape[1] - 1)
-        blocks = block_table[:n].gather(1, block_idx.view(-1, 1)).view(-1).to(torch.int64)
-        slot_mapping = (blocks * self.block_size + pos % self.block_size).masked_fill(
-            too_far, PADDING_SLOT_ID)
+        block_table = block_table[:n]
+        seq_cpu = self.base_seq_cpu if dev_rows is None else self.base_seq_cpu[rows]
+        seq_cpu = (seq_cpu + depth).clamp(max=self.max_model_len)
+        if self.device.type in _FUSED_STEP_DEVICES:
+            pos, seq_lens, slot_mapping = self._chain_step_fused(dev_rows, block_table, depth)
+        else:
+            pos, seq_lens, slot_mapping = self._chain_step(dev_rows, block_table, depth)
+        if self._qsl_cpu.shape[0] < n + 1:
+            self._qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+            self._qsl_dev = self._qsl_cpu.to(self.device)
+        qsl_cpu = self._qsl_cpu[: n + 1]
         cad = self.cad.replace(
-            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc=self._qsl_dev[: n + 1],
             query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens.to(self.cad.seq_lens.dtype),
+            seq_lens=seq_lens,
             seq_lens_cpu_upper_bound=seq_cpu.to(torch.int32),
             num_reqs=n,
             num_actual_tokens=n,
             max_query_len=1,
             max_seq_len=int(seq_cpu.max()),
-            block_table_tensor=block_table[:n],
+            block_table_tensor=block_table,
             slot_mapping=slot_mapping,
             positions=None,
             is_prefilling=None,
@@ -443,6 +453,47 @@ class LookaheadPasses:
             _token_to_req_indices_cache=None,
         )
         return self._forward(cad, depth, n, fed, pos, slot_mapping)[:n]
+
+    def _chain_step(self, dev_rows: torch.Tensor | None, block_table: torch.Tensor,
+                    depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, sequence lengths, slots) of a chain pass at ``depth`` on the
+        device, in torch ops (devices without vLLM's fused step kernel)."""
+        pos = self.positions_dev if dev_rows is None else self.positions_dev[dev_rows]
+        seq_lens = self.base_seq_dev if dev_rows is None else self.base_seq_dev[dev_rows]
+        pos = pos + depth
+        seq_lens = (seq_lens + depth).clamp(max=self.max_model_len)
+        # Near max_model_len: vLLM's drafter clamps and writes nothing out of range.
+        too_far = pos >= self.max_model_len
+        pos = pos.clamp(max=self.max_model_len - 1)
+        block_idx = (pos // self.block_size).clamp(max=block_table.shape[1] - 1)
+        blocks = block_table.gather(1, block_idx.view(-1, 1)).view(-1).to(torch.int64)
+        slot_mapping = (blocks * self.block_size + pos % self.block_size).masked_fill(
+            too_far, PADDING_SLOT_ID)
+        return pos, seq_lens.to(self.cad.seq_lens.dtype), slot_mapping
+
+    def _chain_step_fused(self, dev_rows: torch.Tensor | None, block_table: torch.Tensor,
+                          depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_chain_step` in one launch of vLLM's own EAGLE step kernel (its chain
+        drafter's, CUDA/Triton or the CPU op): from the previous pass's positions and
+        sequence lengths (kept while the rows stay the whole batch; else rebuilt from
+        ``P``), position + 1, the slot from the block table and sequence length + 1,
+        with vLLM's handling near ``max_model_len`` (slot padded: nothing written)."""
+        if depth == 1 or dev_rows is not None or self._step_state is None:
+            pos = self.positions_dev if dev_rows is None else self.positions_dev[dev_rows]
+            seq = self.base_seq_dev if dev_rows is None else self.base_seq_dev[dev_rows]
+            pos = pos + (depth - 1)
+            seq_lens = (seq + (depth - 1)).to(self.cad.seq_lens.dtype)
+        else:
+            pos, seq_lens = self._step_state
+        n = pos.shape[0]
+        out_pos = torch.empty_like(pos)
+        out_slots = torch.empty(n, dtype=torch.int64, device=pos.device)
+        eagle_step_update_slot_mapping_and_metadata(
+            pos, block_table, seq_lens, self.block_size, self.max_model_len,
+            out_pos, out_slots)
+        # seq_lens was updated in place.
+        self._step_state = (out_pos, seq_lens) if dev_rows is None else None
+        return out_pos, seq_lens, out_slots
 
     def _forward(self, cad: CommonAttentionMetadata, draft_index: int, num_tokens: int,
                  token_ids: torch.Tensor, positions: torch.Tensor,
