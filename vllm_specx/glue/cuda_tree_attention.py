@@ -25,7 +25,7 @@ Status: tested on CPU (the kernel and the patched forward under the Triton inter
 against vLLM's real ``TritonAttentionImpl`` and metadata, V1's and Model Runner V2's); the
 engine path (``TRITON_ATTN``, eager; vLLM's default runner, V2, or V1) is switched on for
 CUDA; the GPU run of the engine tests (``tests/backends/test_cuda_tree_engine.py``) showed
-it on V1 (an H200) and is the check for V2 (issue 34; not run on a GPU yet).
+it on both runners (an H200, 2026-11-26).
 """
 
 from __future__ import annotations
