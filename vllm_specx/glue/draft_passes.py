@@ -402,13 +402,32 @@ class LookaheadPasses:
         # metadata's host-side sequence lengths and the general passes' positions.
         self.positions_dev = sample_positions.to(torch.int64)
         self.base_seq_dev = base_seq_lens.to(torch.int64)
-        host = torch.stack([self.positions_dev, self.base_seq_dev]).cpu()
-        self.positions_cpu, self.base_seq_cpu = host[0], host[1]
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The chain passes' host-side sequence lengths are upper bounds, as vLLM's own
+        # chain drafter keeps them: the first pass's (which count the step's rejected
+        # drafts) + depth, so a round of chain passes reads nothing back.
+        self._upper_cpu = getattr(cad, "seq_lens_cpu_upper_bound", None)
         # The chain passes' query layout (one token per row), made once per round.
         self._qsl_cpu = torch.arange(self.num_reqs + 1, dtype=torch.int32)
         self._qsl_dev = self._qsl_cpu.to(self.device)
         # (positions, sequence lengths) of the last chain pass over the whole batch.
         self._step_state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def positions_cpu(self) -> torch.Tensor:
+        """P per request on the host (the general passes build positions there): read
+        once per round, on first use, with ``base_seq_cpu`` (one read for both)."""
+        if self._host is None:
+            host = torch.stack([self.positions_dev, self.base_seq_dev]).cpu()
+            self._host = (host[0], host[1])
+        return self._host[0]
+
+    @property
+    def base_seq_cpu(self) -> torch.Tensor:
+        """P + 1 per request on the host (see :attr:`positions_cpu`)."""
+        self.positions_cpu  # noqa: B018 -- fills self._host
+        assert self._host is not None
+        return self._host[1]
 
     def run_chain(self, rows: torch.Tensor, dev_rows: torch.Tensor | None,
                   fed: torch.Tensor, depth: int) -> torch.Tensor:
@@ -425,8 +444,9 @@ class LookaheadPasses:
         if dev_rows is not None:
             block_table = block_table[dev_rows]
         block_table = block_table[:n]
-        seq_cpu = self.base_seq_cpu if dev_rows is None else self.base_seq_cpu[rows]
-        seq_cpu = (seq_cpu + depth).clamp(max=self.max_model_len)
+        upper = self._upper_cpu if self._upper_cpu is not None else self.base_seq_cpu
+        upper = upper[: self.num_reqs] if dev_rows is None else upper[rows]
+        seq_cpu = (upper + depth).clamp(max=self.max_model_len)
         if self.device.type in _FUSED_STEP_DEVICES:
             pos, seq_lens, slot_mapping = self._chain_step_fused(dev_rows, block_table, depth)
         else:
