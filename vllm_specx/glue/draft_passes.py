@@ -447,8 +447,11 @@ class LookaheadPasses:
         upper = self._upper_cpu if self._upper_cpu is not None else self.base_seq_cpu
         upper = upper[: self.num_reqs] if dev_rows is None else upper[rows]
         seq_cpu = (upper + depth).clamp(max=self.max_model_len)
-        if self.device.type in _FUSED_STEP_DEVICES:
-            pos, seq_lens, slot_mapping = self._chain_step_fused(dev_rows, block_table, depth)
+        padding = self.p._determine_batch_execution_and_padding(n)
+        in_place = self.device.type in _FUSED_STEP_DEVICES
+        if in_place:
+            pos, seq_lens, slot_mapping = self._chain_step_fused(
+                dev_rows, block_table, depth, padding[1])
         else:
             pos, seq_lens, slot_mapping = self._chain_step(dev_rows, block_table, depth)
         if self._qsl_cpu.shape[0] < n + 1:
@@ -472,7 +475,7 @@ class LookaheadPasses:
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return self._forward(cad, depth, n, fed, pos, slot_mapping)[:n]
+        return self._forward(cad, depth, n, fed, pos, slot_mapping, padding, in_place)[:n]
 
     def _chain_step(self, dev_rows: torch.Tensor | None, block_table: torch.Tensor,
                     depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -492,42 +495,53 @@ class LookaheadPasses:
         return pos, seq_lens.to(self.cad.seq_lens.dtype), slot_mapping
 
     def _chain_step_fused(self, dev_rows: torch.Tensor | None, block_table: torch.Tensor,
-                          depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          depth: int, num_input_tokens: int,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`_chain_step` in one launch of vLLM's own EAGLE step kernel (its chain
         drafter's, CUDA/Triton or the CPU op): from the previous pass's positions and
         sequence lengths (kept while the rows stay the whole batch; else rebuilt from
         ``P``), position + 1, the slot from the block table and sequence length + 1,
-        with vLLM's handling near ``max_model_len`` (slot padded: nothing written)."""
+        with vLLM's handling near ``max_model_len`` (slot padded: nothing written).
+        Like vLLM's, it writes the positions and slots straight into the drafter's input
+        buffers (padding slots up to ``num_input_tokens`` included): no copy per pass."""
         if depth == 1 or dev_rows is not None or self._step_state is None:
             pos = self.positions_dev if dev_rows is None else self.positions_dev[dev_rows]
             seq = self.base_seq_dev if dev_rows is None else self.base_seq_dev[dev_rows]
-            pos = pos + (depth - 1)
-            seq_lens = (seq + (depth - 1)).to(self.cad.seq_lens.dtype)
+            if depth > 1:
+                pos, seq = pos + (depth - 1), seq + (depth - 1)
+            # A new tensor (the kernel updates it in place; P + 1 stays as it is).
+            seq_lens = seq.to(self.cad.seq_lens.dtype, copy=True)
         else:
             pos, seq_lens = self._step_state
         n = pos.shape[0]
-        out_pos = torch.empty_like(pos)
-        out_slots = torch.empty(n, dtype=torch.int64, device=pos.device)
+        out_pos = self.p.positions[:n]
+        out_slots = self.p._slot_mapping_buffer[:num_input_tokens]
         eagle_step_update_slot_mapping_and_metadata(
             pos, block_table, seq_lens, self.block_size, self.max_model_len,
-            out_pos, out_slots)
-        # seq_lens was updated in place.
+            out_pos, out_slots, input_batch_size=num_input_tokens)
+        # seq_lens was updated in place; the next pass reads the positions from the
+        # buffer, as vLLM's chain does.
         self._step_state = (out_pos, seq_lens) if dev_rows is None else None
-        return out_pos, seq_lens, out_slots
+        return out_pos, seq_lens, out_slots[:n]
 
     def _forward(self, cad: CommonAttentionMetadata, draft_index: int, num_tokens: int,
                  token_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> torch.Tensor:
+                 slot_mapping: torch.Tensor, padding: Any = None,
+                 in_place: bool = False) -> torch.Tensor:
         """One draft forward over ``cad`` with the pass's tokens and positions (on the
-        host or the device): the final hidden state of every fed token."""
+        host or the device): the final hidden state of every fed token. ``in_place``:
+        the positions and slots are already in the drafter's buffers (padding slots
+        included; ``padding`` is then the one they were written for)."""
         p = self.p
         dev = self.device
         _, per_layer_attn_metadata = p.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
-        padding = p._determine_batch_execution_and_padding(num_tokens)
+        if padding is None:
+            padding = p._determine_batch_execution_and_padding(num_tokens)
         num_input_tokens = padding[1]
         p.input_ids[:num_tokens] = token_ids.to(device=dev, dtype=p.input_ids.dtype)
-        p.positions[:num_tokens] = positions.to(dev)
+        if not in_place:
+            p.positions[:num_tokens] = positions.to(dev)
         if p.supports_mm_inputs:
             p.inputs_embeds[:num_tokens] = p.model.embed_input_ids(p.input_ids[:num_tokens])
             input_ids, inputs_embeds = None, p.inputs_embeds[:num_input_tokens]
@@ -537,7 +551,7 @@ class LookaheadPasses:
             per_layer_attn_metadata,
             num_tokens,
             padding,
-            p._get_slot_mapping(num_input_tokens, slot_mapping),
+            p._get_slot_mapping(num_input_tokens, None if in_place else slot_mapping),
             dict(
                 input_ids=input_ids,
                 positions=p._get_positions(num_input_tokens),
