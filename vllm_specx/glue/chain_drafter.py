@@ -207,15 +207,21 @@ class ChainRound:
             if req_ids is None:
                 req_ids = tuple(str(r) for r in range(num_reqs))
         lm_in, head_in = self.read_pass(start.out)
-        greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs, device)
         argmax_only = self.drafts_argmax()
-        # Sampled requests need their full q for the residual; greedy ones never read it.
-        # vLLM's host flag where it has one: no device read for it.
-        all_greedy = getattr(sampling_metadata, "all_greedy", None)
-        if all_greedy is None:
-            all_greedy = bool(greedy.all())
-        keep_q = not argmax_only and not all_greedy
-        draw_greedy = torch.ones_like(greedy) if argmax_only else greedy
+        if argmax_only:
+            # Every request drafts the argmax: no q is kept, no temperature is read.
+            keep_q = False
+            draw_greedy = torch.ones(num_reqs, dtype=torch.bool, device=device)
+        else:
+            greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs,
+                                                  device)
+            # Sampled requests need their full q for the residual; greedy ones never read
+            # it. vLLM's host flag where it has one: no device read for it.
+            all_greedy = getattr(sampling_metadata, "all_greedy", None)
+            if all_greedy is None:
+                all_greedy = bool(greedy.all())
+            keep_q = not all_greedy
+            draw_greedy = greedy
         generators = sampling_metadata.generators or {}
 
         rule = self.stop_rule(k_max)

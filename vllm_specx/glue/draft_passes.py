@@ -408,8 +408,15 @@ class LookaheadPasses:
         # drafts) + depth, so a round of chain passes reads nothing back.
         self._upper_cpu = getattr(cad, "seq_lens_cpu_upper_bound", None)
         # The chain passes' query layout (one token per row), made once per round.
+        # On the device: the proposer's own arange where it has one (vLLM's chain takes
+        # its query_start_loc from it too), so no host-to-device copy per round.
         self._qsl_cpu = torch.arange(self.num_reqs + 1, dtype=torch.int32)
-        self._qsl_dev = self._qsl_cpu.to(self.device)
+        arange = getattr(proposer, "arange", None)
+        if (isinstance(arange, torch.Tensor) and arange.dtype == torch.int32
+                and arange.shape[0] > self.num_reqs and arange.device == self.device):
+            self._qsl_dev = arange[: self.num_reqs + 1]
+        else:
+            self._qsl_dev = self._qsl_cpu.to(self.device)
         # (positions, sequence lengths) of the last chain pass over the whole batch.
         self._step_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -454,10 +461,7 @@ class LookaheadPasses:
                 dev_rows, block_table, depth, padding[1])
         else:
             pos, seq_lens, slot_mapping = self._chain_step(dev_rows, block_table, depth)
-        if self._qsl_cpu.shape[0] < n + 1:
-            self._qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
-            self._qsl_dev = self._qsl_cpu.to(self.device)
-        qsl_cpu = self._qsl_cpu[: n + 1]
+        qsl_cpu = self._qsl_cpu[: n + 1]  # n <= the batch's requests
         cad = self.cad.replace(
             query_start_loc=self._qsl_dev[: n + 1],
             query_start_loc_cpu=qsl_cpu,
