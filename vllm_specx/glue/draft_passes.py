@@ -462,14 +462,27 @@ class LookaheadPasses:
         else:
             pos, seq_lens, slot_mapping = self._chain_step(dev_rows, block_table, depth)
         qsl_cpu = self._qsl_cpu[: n + 1]  # n <= the batch's requests
-        cad = self.cad.replace(
-            query_start_loc=self._qsl_dev[: n + 1],
+        cad = self._pass_metadata(self._qsl_dev[: n + 1], qsl_cpu, seq_lens, seq_cpu, n, 1,
+                                  block_table, slot_mapping)
+        return self._forward(cad, depth, n, fed, pos, slot_mapping, padding, in_place)[:n]
+
+    def _pass_metadata(self, qsl_dev: torch.Tensor, qsl_cpu: torch.Tensor,
+                       seq_lens: torch.Tensor, seq_cpu: torch.Tensor, num_tokens: int,
+                       max_query_len: int, block_table: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_reqs: int | None = None,
+                       ) -> CommonAttentionMetadata:
+        """The step's attention metadata re-cut for one lookahead pass: its query layout,
+        sequence lengths (device, and host upper bounds), block table and slots; the
+        fields derived from the step's own layout (positions, prefill flags, DCP lengths,
+        vLLM's cached per-token maps) are dropped so nothing reads the step's values."""
+        return self.cad.replace(
+            query_start_loc=qsl_dev,
             query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_lens,
             seq_lens_cpu_upper_bound=seq_cpu.to(torch.int32),
-            num_reqs=n,
-            num_actual_tokens=n,
-            max_query_len=1,
+            num_reqs=num_tokens if num_reqs is None else num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
             max_seq_len=int(seq_cpu.max()),
             block_table_tensor=block_table,
             slot_mapping=slot_mapping,
@@ -479,7 +492,6 @@ class LookaheadPasses:
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return self._forward(cad, depth, n, fed, pos, slot_mapping, padding, in_place)[:n]
 
     def _chain_step(self, dev_rows: torch.Tensor | None, block_table: torch.Tensor,
                     depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -606,23 +618,10 @@ class LookaheadPasses:
         slot_mapping = blocks * self.block_size + (positions % self.block_size).to(dev)
         slot_mapping = slot_mapping.masked_fill(too_far.to(dev), PADDING_SLOT_ID)
 
-        cad = self.cad.replace(
-            query_start_loc=qsl_cpu.to(dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens.to(device=dev, dtype=self.cad.seq_lens.dtype),
-            seq_lens_cpu_upper_bound=seq_lens.to(torch.int32),
-            num_reqs=n,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_table,
-            slot_mapping=slot_mapping,
-            positions=None,
-            is_prefilling=None,
-            dcp_local_seq_lens=None,
-            _num_computed_tokens_cache=None,
-            _token_to_req_indices_cache=None,
-        )
+        cad = self._pass_metadata(qsl_cpu.to(dev), qsl_cpu,
+                                  seq_lens.to(device=dev, dtype=self.cad.seq_lens.dtype),
+                                  seq_lens, num_tokens, int(q_lens.max()), block_table,
+                                  slot_mapping, num_reqs=n)
         hidden_states = self._forward(cad, j, num_tokens, token_ids, positions, slot_mapping)
         last = (qsl_cpu[1:] - 1).to(device=dev, dtype=torch.long)
         return hidden_states[last]
