@@ -295,6 +295,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "padded slot mapping of a draft pass"),
     PrivateName(_DRAFTER, "_get_positions", "attribute", _DRAFT_GLUE,
                 "the positions buffer of a draft pass"),
+    PrivateName(_DRAFTER, "_slot_mapping_buffer", "instance attribute",
+                ("vllm_specx/glue/draft_passes.py",),
+                "the drafter's slot-mapping input buffer, which vLLM's fused EAGLE step "
+                "kernel writes in place for a chain pass (padding slots included)"),
     PrivateName(_DRAFTER, "set_inputs_first_pass", "attribute", _DRAFT_GLUE,
                 "the base class's first pass, run on its own before specx passes"),
     PrivateName(_DRAFTER, "build_model_inputs_first_pass", "attribute", _DRAFT_GLUE,
