@@ -162,17 +162,31 @@ def test_acceptance_history_rates_and_probes():
     assert good[0] > 0.85 and bad[0] < 0.15
     # "bad" never tried positions 2-3: they stay at the pooled rate.
     assert bad[1] == pytest.approx(h.pooled_rates()[1])
-    # A position nobody reached takes the rate of the one before it, not the prior.
+    # A position nobody reached takes the rate of the one before it where that is above
+    # the prior ...
     deep = AcceptanceHistory(4, prior=0.5, prior_weight=1.0, decay=1.0, pooled_decay=1.0)
     for _ in range(20):
         deep.observe("r", drafted=2, accepted=2)
     rates = deep.pooled_rates()
     assert rates[3] == pytest.approx(rates[1]) and rates[1] > 0.9
+    # ... and the prior where the one before it is weak: an unmeasured deeper position is
+    # not priced at a weak first one's rate (which kept it undrafted and unmeasured).
+    weak = AcceptanceHistory(3, prior=0.6, prior_weight=2.0, decay=1.0, pooled_decay=1.0)
+    for i in range(30):
+        weak.observe("r", drafted=1, accepted=int(i % 3 == 0))
+    rates = weak.pooled_rates()
+    assert rates[0] < 0.4 and rates[1] == pytest.approx(0.6) and rates[2] == pytest.approx(0.6)
+    # Its own data pull a measured deeper position down below the prior.
+    for _ in range(30):
+        weak.observe("r", drafted=2, accepted=1)
+    assert weak.pooled_rates()[1] < 0.2
     assert new.tolist() == pytest.approx(h.pooled_rates().tolist())
     zero = np.zeros(2, dtype=np.int64)
     assert h.probes(["a", "b"], zero).tolist() == [0, 0]
     assert h.probes(["a", "b"], np.array([0, 2])).tolist() == [0, 2]
-    assert h.probes(["a", "b"], zero).tolist() == [1, 0]  # "a" idle for 3 steps
+    assert h.probes(["a", "b"], zero, may_probe=False).tolist() == [0, 0]  # "a" is due
+    assert h.probes(["a", "b"], zero, may_probe=np.array([False, True])).tolist() == [0, 0]
+    assert h.probes(["a", "b"], zero).tolist() == [1, 1]  # "a" stayed due; "b" is due
     # While "bad" drafts nothing its own evidence fades: its rate drifts to the pooled one.
     h.decay = 0.5
     before = h.rates(["bad"])[0, 0]

@@ -25,12 +25,18 @@ TRUE = StepCosts(target_base=0.010, target_per_request=0.0005, target_per_token=
                  draft_pass=0.002, draft_row=0.0002, draft_round=0.001)
 
 
+# What the target side pays for verifying anything at all (the verification path): the
+# model folds it into the "anyone drafts" cost.
+ANY_VERIFIED = 0.0007
+
+
 def _steps(model: MeasuredCosts, clock: Clock, n: int, rng: np.random.Generator) -> None:
-    """``n`` steps of varying batch and lengths, each costing exactly TRUE's times."""
+    """``n`` steps of varying batch and lengths (half of them verifying nothing), each
+    costing exactly TRUE's times plus ANY_VERIFIED when it verifies drafts."""
     for _ in range(n):
         b = int(rng.integers(1, 9))
-        s = int(rng.integers(0, 4 * b + 1))
-        clock.now += float(TRUE.target(b, s))
+        s = int(rng.integers(1, 4 * b + 1)) if rng.random() < 0.5 else 0
+        clock.now += float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
         model.round_begins(b, s)
         passes = int(rng.integers(0, 4))
         rows = passes * int(rng.integers(1, b + 1))
@@ -47,8 +53,14 @@ def test_measured_costs_recover_the_scripted_costs():
     _steps(model, clock, 200, np.random.default_rng(0))
     got = model.step_costs()
     for name in ("target_base", "target_per_request", "target_per_token", "draft_pass",
-                 "draft_row", "draft_round"):
+                 "draft_row"):
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.05, abs=2e-5)
+    # Verifying anything costs the target ANY_VERIFIED once: priced with the round's
+    # "anyone drafts", not spread over the draft tokens (within the prior's pull on a
+    # term the data pin down less well than the others: it is 7% of a step).
+    assert got.draft_round == pytest.approx(TRUE.draft_round + ANY_VERIFIED, rel=0.1)
+    assert model.describe()["target_ms"]["any_verified"] == pytest.approx(
+        1e3 * ANY_VERIFIED, rel=0.2)
     # An idle gap between two generate calls is not a step; a prefill step is not used.
     count = model.target.count
     clock.now += 5.0
@@ -155,3 +167,26 @@ def test_cpu_backend_times_steps_by_this_process_cpu_time():
     time.sleep(0.3)
     assert clock() - t0 < 0.1
     assert backend_for_device("cuda").cost_clock is time.perf_counter
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_control_probes_only_where_a_sure_token_would_pay(cheap):
+    # Every draft fails, so both requests are planned at zero and become due a probe.
+    # Where verifying one token costs little against the step (a small batch), a due
+    # request probes; where even a token certain to be accepted costs more than the step
+    # earns per token (the round's fixed cost, 30 steps' worth here: a large batch on a
+    # CPU), nobody probes, however long they have been idle.
+    control = CostControl(4)
+    control.fixed_costs = (StepCosts(1.0, 0.0, 0.05, 0.05, 0.02, draft_round=0.05) if cheap
+                           else StepCosts(1.0, 0.0, 0.05, 0.05, 0.02, draft_round=30.0))
+    inner = ConfidenceStop(0.0, max_tokens=4)
+    ids = ("a", "b")
+    probed = 0
+    for _ in range(3 * control.history.probe_interval):
+        control.begin(ids, torch.tensor([1, 1]), None)
+        control.history.observe_many(ids, [1, 1], [0, 0])
+        plan = control.plan(ids, 4, inner, torch.device("cpu"))
+        probed += int(plan.caps.sum())
+        control.end(ids, plan.caps.tolist(), 0, 0)
+    assert (probed > 0) == cheap
+    assert (control.describe()["probes"] > 0) == cheap

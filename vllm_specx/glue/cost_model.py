@@ -47,6 +47,7 @@ from vllm_specx.algorithms.draft_length import (
     AcceptanceHistory,
     ConfidenceCalibration,
     CostStop,
+    LengthChoice,
     StepCosts,
     choose_draft_lengths,
     choose_step_depth,
@@ -55,7 +56,7 @@ from vllm_specx.algorithms.draft_length import (
 from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, HeadStop
 
 # Relative prior (units of one target base step): see the module doc.
-PRIOR_TARGET = (1.0, 0.02, 0.05)  # base, per request, per draft token verified
+PRIOR_TARGET = (1.0, 0.02, 0.05, 0.02)  # base, per request, per draft token, any verified
 PRIOR_ROUND = (0.05, 0.08, 0.01)  # round (anyone drafts), per lookahead pass, per row
 PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
 FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
@@ -155,12 +156,22 @@ class _Regression:
         return float(x @ self.theta(fallback))
 
 
+def _target_features(num_reqs: int, draft_tokens: int) -> np.ndarray:
+    """The target side's regressors: ``[1, B, S, S > 0]``. The last one is what a step
+    pays for verifying anything at all (vLLM's rejection sampler and its spec-decode
+    input path instead of the plain sampler, the drafts' attention path): without it the
+    slope per draft token absorbed that fixed cost (on the real pair at batch 1, where
+    nearly every step verifies one token, it priced a verified token at 5.7 ms where the
+    step grows by about 1 ms per token) and the plan drafted too little."""
+    return np.array([1.0, num_reqs, draft_tokens, float(draft_tokens > 0)])
+
+
 class MeasuredCosts:
     """The step cost model measured from the engine's own steps (see the module doc)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.target = _Regression(3)  # [1, B, S]
+        self.target = _Regression(4)  # [1, B, S, S > 0]
         self.round = _Regression(3)  # [anyone drafts, passes, rows]
         self.scale: float | None = None  # seconds per relative unit, from the first step
         self._round_end: float | None = None
@@ -174,12 +185,12 @@ class MeasuredCosts:
         return np.array(PRIOR_ROUND) * (self.scale or 1.0)
 
     def _set_scale(self, num_reqs: int, draft_tokens: int, seconds: float) -> None:
-        relative = float(np.array([1.0, num_reqs, draft_tokens]) @ np.array(PRIOR_TARGET))
+        relative = float(_target_features(num_reqs, draft_tokens) @ np.array(PRIOR_TARGET))
         self.scale = max(seconds, 1e-9) / relative
         pt, pr = self._prior_target(), self._prior_round()
         self.target.set_prior([(x, float(x @ pt)) for x in (
-            np.array([1.0, 1, 0]), np.array([1.0, 8, 0]), np.array([1.0, 1, 4]),
-            np.array([1.0, 8, 32]))])
+            _target_features(1, 0), _target_features(8, 0), _target_features(1, 1),
+            _target_features(1, 4), _target_features(8, 32))])
         self.round.set_prior([(x, float(x @ pr)) for x in (
             np.array([1.0, 0, 0]), np.array([1.0, 4, 4]), np.array([1.0, 4, 32]))])
 
@@ -196,7 +207,7 @@ class MeasuredCosts:
         seconds = now - last
         if self.scale is None:
             self._set_scale(num_reqs, draft_tokens, seconds)
-        x = np.array([1.0, num_reqs, draft_tokens])
+        x = _target_features(num_reqs, draft_tokens)
         if self.target.count >= MIN_OBSERVATIONS_FOR_OUTLIERS and seconds > (
                 OUTLIER_FACTOR * self.target.predict(x, self._prior_target())):
             self.skipped += 1
@@ -219,9 +230,11 @@ class MeasuredCosts:
     def step_costs(self) -> StepCosts:
         t = self.target.theta(self._prior_target())
         r = self.round.theta(self._prior_round())
+        # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
+        # round's is: one "anyone drafts" term.
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
                          target_per_token=float(t[2]), draft_pass=float(r[1]),
-                         draft_row=float(r[2]), draft_round=float(r[0]))
+                         draft_row=float(r[2]), draft_round=float(r[0] + t[3]))
 
     def describe(self) -> dict[str, Any]:
         c = self.step_costs()
@@ -231,10 +244,27 @@ class MeasuredCosts:
             "rounds_measured": self.round.count,
             "intervals_skipped": self.skipped,
             "target_ms": {"base": 1e3 * c.target_base, "per_request": 1e3 * c.target_per_request,
-                          "per_draft_token": 1e3 * c.target_per_token},
+                          "per_draft_token": 1e3 * c.target_per_token,
+                          "any_verified": 1e3 * float(
+                              self.target.theta(self._prior_target())[3])},
             "round_ms": {"any_draft": 1e3 * c.draft_round, "per_pass": 1e3 * c.draft_pass,
                          "per_row": 1e3 * c.draft_row},
         }
+
+
+def probe_could_pay(choice: LengthChoice, costs: StepCosts) -> bool:
+    """Whether a probe (one draft token for a request planned at zero,
+    :meth:`AcceptanceHistory.probes`) could pay for itself: it would raise the step's
+    expected rate if it were certainly accepted. A token accepted for sure adds one token
+    to the step's ``E`` and costs its verification row, plus the round's "anyone drafts"
+    cost (the drafter's first pass, the catch-up of skipped passes, the verification
+    path) when nobody else drafts. When even that does not pay (large batches on a CPU:
+    on the real pair at batch 32 a probe step cost about 0.9 of a step for the 0.38
+    token its probe earned), probing only costs, and its answer could not change the
+    plan; the request stays due and probes once it could pay (the batch shrinks, or
+    others draft)."""
+    extra = costs.target_per_token + (0.0 if choice.lengths.any() else costs.draft_round)
+    return 1.0 > extra * choice.rate
 
 
 @dataclass
@@ -317,7 +347,8 @@ class CostControl:
         rates = self.history.rates(req_ids)[:, :k]
         costs = self.step_costs()
         choice = choose_draft_lengths(expected_gains(rates), costs)
-        caps = self.history.probes(req_ids, choice.lengths)
+        caps = self.history.probes(req_ids, choice.lengths,
+                                   may_probe=probe_could_pay(choice, costs))
         self.stats.steps += 1
         self.stats.probes += int((caps > choice.lengths).sum())
         self.stats.planned_tokens += int(caps.sum())
