@@ -211,7 +211,9 @@ def cost_control_line(control: dict[str, Any]) -> str:
         t, r = model.get("target_ms") or {}, model.get("round_ms") or {}
         text = (
             f"target step {_fmt(t.get('base'), 2)} ms + {_fmt(t.get('per_request'), 3)} ms "
-            f"per request + {_fmt(t.get('per_draft_token'), 3)} ms per draft token verified; "
+            f"per request + {_fmt(t.get('per_draft_token'), 3)} ms per draft token verified"
+            + (f" + {_fmt(t['any_verified'], 3)} ms when any is"
+               if t.get("any_verified") is not None else "") + "; "
             f"round {_fmt(r.get('any_draft'), 2)} ms + {_fmt(r.get('per_pass'), 3)} ms per "
             f"lookahead pass + {_fmt(r.get('per_row'), 3)} ms per row ({model.get('source')}, "
             f"{model.get('target_steps_measured')} steps)"
