@@ -578,3 +578,87 @@ def test_row_width_one_on_greedy_rows_is_the_argmax_chain():
         assert q[r].tolist() == pytest.approx(chain_q[r].tolist(), abs=1e-6)
     assert tokens[1].tolist() == wide[1].tolist()
     assert fed[0] == [1, num_beams, 1]  # a narrowed row keeps one live beam to feed
+
+
+def _row_callback(model: TableModel, rows: list[int], fed: list | None = None):
+    """A model callback over ``rows`` of ``model`` (row i of the search is model row
+    rows[i]); ``fed`` collects, per call, the search rows that have a live beam."""
+
+    def forward(state):
+        live = torch.isfinite(state.scores)
+        if fed is not None:
+            fed.append(live.any(dim=1).nonzero().squeeze(1).tolist())
+        lp = torch.zeros(len(rows), state.width, model.vocab)
+        for i, r in enumerate(rows):
+            for b in range(state.width):
+                if live[i, b]:  # dead beams and finished rows cost the callback nothing
+                    lp[i, b] = torch.tensor(model.row_lp(r, tuple(state.tokens[i, b].tolist())))
+        return lambda beam: lp[torch.arange(len(rows)), beam]
+
+    first = torch.stack([torch.tensor(model.row_lp(r, ())) for r in rows])
+    return forward, first
+
+
+@pytest.mark.parametrize("vocab,num_beams,depth,top_k", [(6, 3, 4, None), (5, 4, 3, 2),
+                                                         (7, 1, 4, None)])
+def test_row_depth_caps_equal_each_rows_own_search(vocab, num_beams, depth, top_k):
+    """Per-row depths (cost control, mtad): a greedy row capped at d drafts exactly what
+    the slow reference's depth-d search of that row alone drafts (its best beam over its d
+    tokens, with its q), zeros past d; a row at depth 0 drafts nothing; and a row whose
+    depth is reached has no live beam in any later call (it takes no rows there)."""
+    from vllm_specx.algorithms.beam_draft import beam_search_batched
+
+    caps = [depth, 0, 1, 2, depth - 1, 3]
+    rows = list(range(len(caps)))
+    model = TableModel(len(rows), vocab, seed=vocab * 13 + num_beams, top_k=top_k)
+    greedy = torch.ones(len(rows), dtype=torch.bool)
+    fed: list[list[int]] = []
+    forward, first = _row_callback(model, rows, fed)
+    tokens, q, _ = beam_search_batched(first, depth, num_beams, forward, greedy,
+                                       row_depth=torch.tensor(caps))
+    assert tokens.shape == (len(rows), depth) and q.shape == (len(rows), depth)
+    for r, cap in enumerate(caps):
+        if cap:
+            want_t, want_q = ref_beam_search_one(
+                lambda prefix, r=r: model.row_lp(r, prefix), num_beams, cap, None)
+            assert tokens[r, :cap].tolist() == want_t, (r, cap)
+            assert q[r, :cap].tolist() == pytest.approx(want_q, abs=1e-6)
+        assert tokens[r, cap:].tolist() == [0] * (depth - cap)
+        assert q[r, cap:].tolist() == [0.0] * (depth - cap)
+    # One call per depth after the first, up to the deepest row; the call that feeds
+    # token j's beams (j = 1..) carries exactly the rows capped deeper than j.
+    assert len(fed) == max(caps) - 1
+    for j, live_rows in enumerate(fed, start=1):
+        assert live_rows == [r for r, c in enumerate(caps) if c > j], (j, live_rows)
+
+
+def test_row_depth_seeded_sampled_rows_equal_their_own_search_and_generator():
+    """Sampled seeded rows capped at d: the tokens and q of a depth-d search of that row
+    alone with the same seed, and the generator left exactly where that search leaves it
+    (a finished row draws nothing more; a row at depth 0 draws nothing at all), so the
+    verifier's draws after the round do not depend on the other rows' depths. With
+    row_width 1 on a greedy row the cap applies to its argmax chain too."""
+    from vllm_specx.algorithms.beam_draft import beam_search_batched
+
+    vocab, num_beams, depth = 9, 3, 4
+    caps = [2, 4, 0, 3, 1]
+    seeds = {0: 11, 1: 12, 2: 13, 3: 14}
+    greedy = torch.tensor([False, False, False, False, True])
+    width = torch.tensor([3, 3, 3, 3, 1])
+    model = TableModel(len(caps), vocab, seed=5)
+    forward, first = _row_callback(model, list(range(len(caps))))
+    generators = gens(seeds)
+    tokens, q, _ = beam_search_batched(first, depth, num_beams, forward, greedy, generators,
+                                       row_width=width, row_depth=torch.tensor(caps))
+    for r, cap in enumerate(caps):
+        solo_gens = gens({0: seeds[r]}) if r in seeds else None
+        if cap:
+            solo_fwd, solo_first = _row_callback(model, [r])
+            want, want_q, _ = beam_search_batched(
+                solo_first, cap, num_beams, solo_fwd, greedy[r:r + 1], solo_gens,
+                row_width=width[r:r + 1])
+            assert tokens[r, :cap].tolist() == want[0].tolist(), (r, cap)
+            assert q[r, :cap].tolist() == pytest.approx(want_q[0].tolist(), abs=1e-6)
+        if r in seeds:
+            left = solo_gens[0] if cap else torch.Generator().manual_seed(seeds[r])
+            assert torch.equal(generators[r].get_state(), left.get_state()), r

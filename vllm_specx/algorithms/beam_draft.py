@@ -399,12 +399,24 @@ def beam_search_batched(
     greedy: torch.Tensor,
     generators: Mapping[int, torch.Generator] | None = None,
     row_width: torch.Tensor | None = None,
+    row_depth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, BeamSearchState]:
     """MTAD's beam search with the draft model as a callback, one call per depth.
 
     ``row_width`` [R] (optional): keep at most that many beams in row r; the others die
     after every step. Width 1 on a greedy row is the argmax chain (greedy selection puts
     the best continuation first), and its dead beams cost the callback nothing.
+
+    ``row_depth`` [R] (optional, values in ``0..depth``): row r stops at its own depth
+    (cost control plans one per request). Once a row has its ``row_depth[r]`` tokens its
+    best beam is taken there (the highest joint log-probability over those tokens only:
+    what a search of depth ``row_depth[r]`` of that row alone returns) and all its beams
+    die, so the callback feeds it nothing in the later passes (it takes no rows) and it
+    draws nothing more: a finished row (and a row at depth 0 from the start) counts as
+    greedy in selection, so a seeded row's generator advances exactly as in its own
+    search. Its returned tokens and q past its depth are 0, and its beams in the returned
+    state are dead (the state then describes only the rows that ran to ``depth``). The
+    search stops at the deepest row's depth.
 
     ``first_logprobs`` [R, V]: the warped next-token log-probs after each row's context
     (the drafter's first pass). ``forward(state)`` is the model: it runs the draft over
@@ -427,18 +439,63 @@ def beam_search_batched(
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     num_rows = first_logprobs.shape[0]
-    state = BeamSearchState.start(num_rows, num_beams, first_logprobs.device)
-    state = _narrow(state.step(first_logprobs, greedy, generators), row_width)
-    for _ in range(1, depth):
+    dev = first_logprobs.device
+    state = BeamSearchState.start(num_rows, num_beams, dev)
+    caps: torch.Tensor | None = None  # host [R] int64
+    if row_depth is not None:
+        caps = row_depth.to("cpu", torch.int64).clamp(0, depth)
+        if bool((caps >= depth).all()):
+            caps = None  # every row runs the whole search: nothing to cut
+        else:
+            depth = max(int(caps.max()), 1)
+            out_tokens = torch.zeros(num_rows, depth, dtype=torch.int64, device=dev)
+            out_q = torch.zeros(num_rows, depth, device=dev)
+            # A row at depth 0 never searches: no live beam, nothing drawn.
+            state.scores = state.scores.masked_fill((caps == 0).to(dev).view(-1, 1), NEG_INF)
+    state = _narrow(state.step(first_logprobs, _drawing(greedy, caps, 0), generators),
+                    row_width)
+    if caps is not None:
+        state = _finish_rows(state, caps == 1, out_tokens, out_q)
+    for j in range(1, depth):
         beam_logprobs = forward(state)
         order = lexicographic_order(state.tokens.to("cpu"))
-        selector = state.selector(greedy, generators)
+        selector = state.selector(_drawing(greedy, caps, j), generators)
         for i in range(state.width):
-            beam = order[:, i].to(first_logprobs.device)
+            beam = order[:, i].to(dev)
             selector.add(beam, beam_logprobs(beam))
         state = _narrow(state.apply(selector.result()), row_width)
+        if caps is not None:
+            state = _finish_rows(state, caps == j + 1, out_tokens, out_q)
+    if caps is not None:
+        return out_tokens, out_q, state
     tokens, q = state.best()
     return tokens, q, state
+
+
+def _drawing(greedy: torch.Tensor, caps: torch.Tensor | None, j: int) -> torch.Tensor:
+    """The greedy mask of the selection that draws token ``j + 1``: a row whose depth is
+    reached (``caps <= j``) counts as greedy, so it draws no noise and a seeded row's
+    generator does not advance for a token it will not draft."""
+    if caps is None:
+        return greedy
+    done = (caps <= j).to(greedy.device)
+    return greedy.to(torch.bool) | done
+
+
+def _finish_rows(state: BeamSearchState, rows: torch.Tensor, out_tokens: torch.Tensor,
+                 out_q: torch.Tensor) -> BeamSearchState:
+    """Rows ``rows`` (host bool [R]) reached their depth (``state.depth``): their best beam
+    goes to ``out_tokens``/``out_q`` [R, :depth] and their beams die (the callback feeds
+    dead beams nothing)."""
+    if not bool(rows.any()):
+        return state
+    idx = rows.nonzero().squeeze(1).to(state.scores.device)
+    best = state.scores[idx].argmax(dim=1)
+    pick = best.view(-1, 1, 1).expand(-1, 1, state.depth)
+    out_tokens[idx, : state.depth] = state.tokens[idx].gather(1, pick).squeeze(1)
+    out_q[idx, : state.depth] = state.token_logprobs[idx].gather(1, pick).squeeze(1).exp()
+    state.scores = state.scores.index_fill(0, idx, NEG_INF)
+    return state
 
 
 def _narrow(state: BeamSearchState, row_width: torch.Tensor | None) -> BeamSearchState:
