@@ -61,7 +61,8 @@ FALLBACK_COST_METHOD = (
 
 BASELINE_METHOD = (
     "every engine is warmed up first (every prompt, up to 16 tokens each, the run's own "
-    "sampling; not counted); no speculation runs twice, first and last, and each "
+    "sampling; not counted; the prefix cache is emptied after it, so the timed prompts are "
+    "new to every engine); no speculation runs twice, first and last, and each "
     "configuration's wall-clock and CPU-time speed-ups are against the mean of those two "
     "runs; spread = (max - min) / mean of their tokens/s"
 )

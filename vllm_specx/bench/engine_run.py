@@ -532,6 +532,13 @@ def run_config(
         llm.generate(prompts, warm, use_tqdm=False)
         if _in_process(llm):
             _align_numba_threads()  # again: the warm-up may have run the ngram proposer
+        # The timed run's prompts are new to the engine, as a user's are: the warm-up
+        # filled the prefix cache with exactly these prompts, which made the baseline's
+        # prefill nearly free while vLLM (0.32) recomputes the last cached block of every
+        # prompt for an EAGLE-style drafter (the head needs that block's hidden states).
+        # On the real pair at batch 32 that alone cost an EAGLE-3 row 7% of its target
+        # time against the baseline's, with no draft verified.
+        llm.reset_prefix_cache()
         counters_before = read_counters(llm)
         stats_before, note = read_drafter_stats(llm) if drafter_stats else (None, None)
         timers_note = None
