@@ -17,9 +17,7 @@ from vllm_specx.algorithms.draft_length import (
     ConfidenceCalibration,
     CostStop,
     StepCosts,
-    beam_step_time,
     choose_draft_lengths,
-    choose_step_depth,
     expected_gains,
     expected_tokens,
 )
@@ -198,61 +196,71 @@ def test_acceptance_history_rates_and_probes():
     assert h.rates(["bad"])[0].tolist() == pytest.approx(h.pooled_rates().tolist())
 
 
-# -- choose_step_depth: one depth for the whole batch of a beam round (mtad) ------------
+# -- beam rounds (mtad): per-request depths with per-request beam widths ----------------
 
 
-def _brute_force_depth(gains: np.ndarray, costs: StepCosts, widths: list[int],
-                       caps: list[int]) -> tuple[int, float]:
-    """Every depth 0..K costed by beam_step_time's definition; the first best (reference)."""
-    best_depth, best_rate = 0, -1.0
-    for depth in range(gains.shape[1] + 1):
-        lengths = [min(depth, c) for c in caps]
-        rate = expected_tokens(gains, lengths) / beam_step_time(costs, lengths, widths)
-        if rate > best_rate * (1.0 + 1e-12):
-            best_depth, best_rate = depth, rate
-    return best_depth, best_rate
+def _beam_step_time(costs: StepCosts, lengths: list[int], widths: list[int]) -> float:
+    """A beam round's step time written out: request r carries widths[r] rows in each
+    lookahead pass d = 1..L_r - 1 and one verification row per drafted token."""
+    total = costs.fixed + costs.target_base + costs.target_per_request * len(lengths)
+    total += costs.target_per_token * sum(lengths)
+    if any(lengths):
+        total += costs.draft_round
+    for d in range(1, max(lengths, default=0)):
+        total += costs.draft_pass + costs.draft_row * sum(
+            w for n, w in zip(lengths, widths) if n > d)
+    return total
 
 
-def test_step_depth_matches_brute_force_on_random_costs_rates_and_beams():
+def test_beam_depths_match_brute_force_on_random_costs_rates_and_widths():
+    """Every request its own depth, priced with its own beam width: the choice's rate is
+    the best over every depth vector (brute force over the written-out step time)."""
     rng = np.random.default_rng(7)
-    depths_seen: set[int] = set()
-    for _ in range(400):
-        num_reqs, k = int(rng.integers(1, 6)), int(rng.integers(1, 7))
+    seen: set[int] = set()
+    mixed = 0
+    for trial in range(300):
+        num_reqs, k = int(rng.integers(1, 5)), int(rng.integers(1, 5))
         rates = rng.uniform(0.0, 1.0, size=(num_reqs, k)) ** rng.uniform(0.2, 2.0)
         gains = expected_gains(rates)
         costs = _random_costs(rng)
         widths = [int(x) for x in rng.integers(1, 9, size=num_reqs)]
         caps = [int(x) for x in rng.integers(0, k + 1, size=num_reqs)]
-        choice = choose_step_depth(gains, costs, widths=widths, caps=caps)
-        depth, rate = _brute_force_depth(gains, costs, widths, caps)
-        assert math.isclose(choice.rate, rate, rel_tol=1e-9)
-        # Same rate, and the chosen depth's own lengths and time are consistent with it.
-        assert list(choice.lengths) == [min(choice.depth, c) for c in caps]
-        assert math.isclose(choice.step_time,
-                            beam_step_time(costs, choice.lengths, widths), rel_tol=1e-9)
-        if depth != choice.depth:  # equal rates at several depths with capped requests
-            assert math.isclose(rate, expected_tokens(gains, choice.lengths)
-                                / choice.step_time, rel_tol=1e-9)
-        depths_seen.add(choice.depth)
-    # The random cases reach both "nobody drafts" and deep rounds.
-    assert 0 in depths_seen and max(depths_seen) >= 4
+        choice = choose_draft_lengths(gains, costs, caps, widths=widths)
+        assert all(0 <= n <= c for n, c in zip(choice.lengths, caps))
+        assert choice.step_time == pytest.approx(
+            _beam_step_time(costs, list(choice.lengths), widths), rel=1e-9)
+        assert costs.step_time(choice.lengths, widths) == pytest.approx(choice.step_time)
+        best = max(expected_tokens(gains, lengths) / _beam_step_time(costs, list(lengths),
+                                                                     widths)
+                   for lengths in itertools.product(*[range(c + 1) for c in caps]))
+        assert choice.rate == pytest.approx(best, rel=1e-9), (trial, choice, best)
+        seen.update(int(n) for n in choice.lengths)
+        mixed += int(len(set(choice.lengths.tolist())) > 1)
+    # Both "nobody drafts" and deep rounds, and many steps whose requests' depths differ.
+    assert 0 in seen and max(seen) >= 3 and mixed > 30
 
 
-def test_step_depth_prices_beam_rows():
-    """Same acceptance, same costs: wider beams make the lookahead passes dearer, so the
-    chosen depth can only fall; free rows keep the full depth; worthless drafts give 0."""
-    gains = expected_gains(np.full((8, 6), 0.7))
+def test_beam_depths_price_each_requests_beams():
+    """Same acceptance and costs: a wide request drafts no deeper than a narrow one (its
+    lookahead rows cost more), worthless drafts give 0 for their request only, free
+    rows give everyone K, and widths of 1 are the chain's choice."""
+    gains = expected_gains(np.full((4, 6), 0.7))
     costs = StepCosts(target_base=1.0, target_per_request=0.05, target_per_token=0.02,
                       draft_pass=0.05, draft_row=0.01)
-    depths = [choose_step_depth(gains, costs, widths=b).depth for b in (1, 2, 4, 8, 16)]
-    assert depths == sorted(depths, reverse=True) and depths[0] > depths[-1]
+    lengths = choose_draft_lengths(gains, costs, widths=[1, 4, 16, 64]).lengths.tolist()
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1], lengths
     free = StepCosts(target_base=1.0, target_per_request=0.0, target_per_token=0.0,
                      draft_pass=0.0, draft_row=0.0)
-    assert choose_step_depth(gains, free, widths=8).depth == 6
-    hopeless = expected_gains(np.full((8, 6), 0.01))
-    choice = choose_step_depth(hopeless, costs, widths=4)
-    assert choice.depth == 0 and not choice.lengths.any()
-    assert math.isclose(choice.step_time, float(costs.target(8, 0)))
+    assert choose_draft_lengths(gains, free, widths=8).lengths.tolist() == [6] * 4
+    hopeful = expected_gains(np.array([[0.95] * 6, [0.01] * 6, [0.9] * 6]))
+    lengths = choose_draft_lengths(hopeful, costs, widths=4).lengths
+    assert lengths[0] > 0 and lengths[1] == 0 and lengths[2] > 0
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        g = expected_gains(rng.uniform(0, 1, size=(3, 4)))
+        c = _random_costs(rng)
+        assert (choose_draft_lengths(g, c, widths=1).lengths.tolist()
+                == choose_draft_lengths(g, c).lengths.tolist())
 
 
 def _reference_calibration(steps: list[tuple[list[list[float]], list[int]]], edges: list[float],

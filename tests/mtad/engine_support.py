@@ -58,20 +58,24 @@ class Engine:
             if isinstance(out, list):  # ragged (cost control): a skipped round has no drafts
                 if not any(out):
                     return result
-                out = torch.tensor(out)  # one depth for the whole batch
-            n = out.shape[0]
+                rows = [list(map(int, r)) for r in out]  # each request its own depth
+            else:
+                rows = out.tolist()
+            n = len(rows)
             req_ids = list(self.runner.input_batch.req_ids[:n])
             pos = self.drafter.last_sample_positions.tolist()
             nxt = kwargs["next_token_ids"].tolist()
             q = self.drafter.take_last_draft_probs()
             for i in range(n):
+                if not rows[i]:
+                    continue  # a request planned at depth 0 drafted nothing
                 self.records.append(
                     DraftRecord(
                         req_id=req_ids[i].rsplit("-", 1)[0],
                         position=int(pos[i]),
                         next_token=int(nxt[i]),
-                        tokens=out[i].tolist(),
-                        q=[] if q is None else q[i].tolist(),
+                        tokens=rows[i],
+                        q=[] if q is None else q[i, : len(rows[i])].tolist(),
                         num_beams=self.drafter.num_beams,
                     )
                 )

@@ -126,11 +126,12 @@ class _ScriptedDepthRates:
 
 
 def test_cost_control_depth_zero_steps_are_plain_decoding(pair, engine):
-    """Cost control on mtad (issue 32): one depth per step for the batch, 0 on the hopeless
-    steps, which skip the draft's first pass. The output is the target's greedy one, the
-    steps at depth 0 drafted nothing and skipped the first pass, and every round that did
-    draft (after the skipped passes' draft KV was caught up) equals the reference beam
-    search of its depth on the request's full context."""
+    """Cost control on mtad (issue 32): every request looks alike here, so one depth per
+    step for the batch, 0 on the hopeless steps, which skip the draft's first pass. The
+    output is the target's greedy one, the steps at depth 0 drafted nothing and skipped
+    the first pass, and every round that did draft (after the skipped passes' draft KV
+    was caught up) equals the reference beam search of its depth on the request's full
+    context."""
     from vllm import SamplingParams
 
     from vllm_specx.algorithms.draft_length import StepCosts
@@ -169,6 +170,128 @@ def test_cost_control_depth_zero_steps_are_plain_decoding(pair, engine):
     finally:
         drafter.settings = {**drafter.settings, "cost_control": False}
         drafter._cost_control = None
+
+
+class _ScriptedRequestDepths:
+    """Stands in for the cost control's acceptance history: request n (by its place in the
+    run) looks hopeless, poor, good for two tokens or good throughout on steps where
+    ``(step + n) % 4`` is 0, 1, 2 or 3: at the fixed cost model of the tests below that
+    plans depths 0, 1, 2 and K, so the requests of one step draft to different depths."""
+
+    PROFILES = ([0.02] * K, [0.3] * K, [0.7, 0.7] + [0.02] * (K - 2), [0.97] * K)
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.first: int | None = None
+
+    def __call__(self, req_ids: list[str]) -> object:
+        import numpy as np
+
+        self.step += 1
+        ids = [int(str(rid).rsplit("-", 1)[0]) for rid in req_ids]
+        if self.first is None:
+            self.first = min(ids)
+        return np.array([self.PROFILES[(self.step + n - self.first) % 4] for n in ids])
+
+
+class _PassRows:
+    """Records, per drafting round, the requests fed in each lookahead pass (by the
+    length of the tails fed: the depth of the tokens the pass extends) and each request's
+    drafted length; catch-up passes outside rounds are not counted."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.rounds: list[tuple[list[int], list[tuple[int, list[int]]]]] = []
+        self._passes: list[tuple[int, list[int]]] | None = None
+        round_fn, passes_fn = drafter.draft_round, drafter.lookahead_passes
+
+        def draft_round(start, sampling):
+            self._passes = []
+            try:
+                out = round_fn(start, sampling)
+            finally:
+                passes, self._passes = self._passes, None
+            if isinstance(out, list):
+                self.rounds.append(([len(r) for r in out], passes))
+            return out
+
+        recorder = self
+
+        class Passes:
+            def __init__(self, inner) -> None:
+                self.inner = inner
+
+            def run(self, rows, tails, start, **kwargs):
+                if recorder._passes is not None:
+                    recorder._passes.append((int(tails.shape[1]), rows.tolist()))
+                return self.inner.run(rows, tails, start, **kwargs)
+
+        drafter.draft_round = draft_round
+        drafter.lookahead_passes = lambda *a, **k: Passes(passes_fn(*a, **k))
+
+    def close(self) -> None:
+        del self.drafter.draft_round, self.drafter.lookahead_passes
+
+
+@pytest.mark.parametrize("num_beams,batched", [(2, True), (1, True), (2, False)],
+                         ids=["beams-in-one-pass", "one-beam", "one-pass-per-beam"])
+def test_cost_control_per_request_depths(pair, engine, num_beams, batched):
+    """Cost control on mtad plans every request's own depth (issue 32): with requests
+    scripted to be worth depths 0, 1, 2 and K in the same steps, greedy output equals no
+    speculation, every drafted round equals the reference beam search of its own depth
+    on the request's context, and a request leaves the lookahead passes once its depth is
+    reached: the pass extending depth j carries exactly the requests drafting deeper than
+    j (a request at depth 0 or 1 takes no lookahead row at all). For the three ways the
+    round feeds its beams: all beams of a depth in one pass, B = 1, one pass per beam."""
+    from vllm import SamplingParams
+
+    _, _, target, draft = pair
+    drafter = engine.drafter
+    drafter.num_beams = num_beams
+    drafter.batched_beams = batched
+    passes = None
+    try:
+        control = _control_on(drafter)
+        control.history.rates = _ScriptedRequestDepths()
+        control.history.probe_interval = 10**9
+        passes = _PassRows(drafter)
+        prompts = prompts_of([9, 16, 6], seed=61)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in (14, 12, 16)]
+        seqs = engine.generate(prompts, params)
+    finally:
+        if passes is not None:
+            passes.close()
+        drafter.batched_beams = True
+        _control_off(drafter)
+    ids = sorted(seqs, key=int)
+    for rid, prompt, sp in zip(ids, prompts, params):
+        assert seqs[rid] == prompt + greedy_generate(target, prompt, sp.max_tokens), rid
+    mixed = 0
+    for lengths, fed in passes.rounds:
+        mixed += int(len({n for n in lengths}) >= 3)
+        by_depth: dict[int, list[int]] = {}
+        for j, rows in fed:
+            by_depth.setdefault(j, []).extend(rows)
+        for j in range(1, max(lengths)):
+            want = [r for r, n in enumerate(lengths) if n > j]
+            # One pass per beam feeds a request once per beam; the others once.
+            assert sorted(set(by_depth.get(j, []))) == want, (lengths, fed)
+        assert all(j < max(lengths) for j in by_depth), (lengths, fed)
+    assert mixed >= 3, passes.rounds
+    records = list(engine.records)
+    depths = {len(r.tokens) for r in records}
+    assert depths == {1, 2, K}, depths
+    warpings = {rid: Warping(temperature=0.0) for rid in ids}
+    lens = {rid: len(p) for rid, p in zip(ids, prompts)}
+    checked = 0
+    for depth in sorted(depths):
+        engine.records = [r for r in records if len(r.tokens) == depth]
+        checked += check_rounds_against_reference(
+            engine, seqs, lens, draft, warpings, depth)[0]
+    assert checked >= 10
+    hist = control.stats.depths
+    assert set(hist) == {0, 1, 2, K} and control.stats.partial_zero_steps >= 3, hist
 
 
 def _control_on(drafter, rates=None):

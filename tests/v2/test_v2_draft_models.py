@@ -182,11 +182,20 @@ def _scripted_depth_control(speculator: Any) -> Any:
     control.fixed_costs = StepCosts(1.0, 0.02, 0.02, 0.02, 0.01)
     control.history.probe_interval = 10**9  # no probes: zero means zero
     step = 0
+    first: list[int] = []
 
     def rates(req_ids: list[str]) -> Any:
         nonlocal step
         step += 1
-        return np.full((len(req_ids), k), {1: 0.02, 2: 0.02, 3: 0.3}.get(step % 5, 0.97))
+        phase = step % 5
+        if phase in (1, 2):
+            return np.full((len(req_ids), k), 0.02)
+        # Otherwise each request its own: requests alternate between middling (a depth
+        # between 1 and K - 1) and good (depth K), so one step's depths differ.
+        ids = np.array([int(str(r).rsplit("-", 1)[0]) for r in req_ids])
+        first.append(int(ids.min()))  # ids count on from run to run: relative to the first
+        return np.where(((ids - first[0] + step) % 2 == 0)[:, None], 0.97, 0.3) * np.ones(
+            (1, k))
 
     control.history.rates = rates
     return control
@@ -197,8 +206,9 @@ def run_mtad(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
     """Runs in the V2 host: :func:`run_recorded` on the mtad engine, its depth control off
     (every step drafts K) or on with a fixed cost model and scripted acceptance: every
     request looks hopeless on two steps of each five (depth 0: runs of all-zero steps),
-    middling on one (a depth between 1 and K - 1) and good on the others (depth K),
-    whatever the clock does. Also returns the control's depths per step."""
+    and on the others every other request (by id, alternating step to step) middling (a
+    depth between 1 and K - 1) and the rest good (depth K), whatever the clock does.
+    Also returns the control's request-rounds per depth."""
     from vllm_specx.testing.v2_engine import runner_of
 
     speculator = runner_of(llm).speculator
@@ -298,9 +308,10 @@ def test_mtad_greedy_equals_no_speculation_on_v2(mtad_run, v2_reference):
 def test_mtad_depth_control_on_v2(mtad_run, v2_host, v2_reference):
     """mtad's depth control on Model Runner V2 as on V1 (issue 32): "cost_control": true
     reached the V2 speculator and made the runner schedule synchronously; on, the depth
-    changes step to step (0, between, K), greedy output equals no speculation, the
-    scheduler receives each step's planned depth for every request (0: no drafts), and a
-    seeded sampled request in the batch (its q_j rows as deep as the step) completes."""
+    changes step to step and request to request in one step (0, between, K), greedy
+    output equals no speculation, the scheduler receives every request's own planned
+    depth (0: no drafts), and a seeded sampled request in the batch (its q_j rows as deep
+    as its depth) completes."""
     assert mtad_run["configured_cost_control"] is True
     assert mtad_run["async_scheduling"] is False
     sampled = {"temperature": 1.0, "top_k": 8, "seed": 3, "max_tokens": 12, "ignore_eos": True}
@@ -315,9 +326,10 @@ def test_mtad_depth_control_on_v2(mtad_run, v2_host, v2_reference):
     drafted, received = run["drafted"], run["received"]
     assert len(drafted) == len(received) > 0
     assert all(got == lengths for got, lengths in zip(received, drafted) if lengths)
-    # One depth for the whole batch each step; all-zero steps reach the scheduler as such.
+    # Each request its own depth (several in one step); all-zero steps reach the
+    # scheduler as such.
     decode = [step for step in drafted if len(step) == len(prompts)]
-    assert all(len(set(step.values())) == 1 for step in decode)
+    assert sum(len(set(step.values())) >= 2 for step in decode) >= 3, decode
     assert any(not any(step.values()) for step in decode)
     assert {0, k} <= {n for step in decode for n in step.values()} <= depths
 

@@ -12,8 +12,10 @@ with ``S = sum_r L_r`` (the verification rows the drafts add to the target's for
 ``M = max_r L_r`` and one lookahead draft pass per depth over the requests still drafting
 (the chain round of ``glue/chain_drafter.py``: token 1 comes from the first pass, which
 runs in any case, so it costs the drafter nothing more; token ``i >= 2`` costs a row of
-pass ``i - 1``). :func:`choose_draft_lengths` maximises ``E(L) / C(L)``, expected tokens
-per second, over ``0 <= L_r <= cap_r``: ``L = 0`` everywhere is a plain decode step.
+pass ``i - 1``; in MTAD's beam round a request carries its ``w_r`` beams in every pass it
+takes part in, ``row * sum_{r: L_r > d} w_r``). :func:`choose_draft_lengths` maximises
+``E(L) / C(L)``, expected tokens per second, over ``0 <= L_r <= cap_r``: ``L = 0``
+everywhere is a plain decode step.
 
 The maximisation is exact (a brute-force search over every length vector in the tests
 agrees) for any ``target(B, S)`` and draft passes linear in their rows:
@@ -81,14 +83,20 @@ class StepCosts:
         return (self.target_base + self.target_per_request * num_reqs
                 + self.target_per_token * draft_tokens)
 
-    def step_time(self, lengths: Sequence[int]) -> float:
-        """``C(L)`` of the module doc, by its definition (the reference the tests use)."""
+    def step_time(self, lengths: Sequence[int],
+                  widths: Sequence[int] | np.ndarray | None = None) -> float:
+        """``C(L)`` of the module doc, by its definition (the reference the tests use).
+        ``widths[r]`` (default 1): the rows request ``r`` carries in each lookahead pass it
+        takes part in (a beam round, ``mtad``: its live beams; only the chosen beam is
+        verified, so its verification rows stay one per drafted token)."""
         lengths = [int(n) for n in lengths]
+        w = [1.0] * len(lengths) if widths is None else [float(x) for x in np.broadcast_to(
+            np.asarray(widths), (len(lengths),))]
         total = self.fixed + float(self.target(len(lengths), sum(lengths)))
         if any(lengths):
             total += self.draft_round
         for depth in range(1, max(lengths, default=0)):
-            rows = sum(n > depth for n in lengths)
+            rows = sum(wr for n, wr in zip(lengths, w) if n > depth)
             total += self.draft_pass + self.draft_row * rows
         return total
 
@@ -115,13 +123,17 @@ class LengthChoice:
 
 
 def _best_for_lambda(
-    gains: np.ndarray, caps: np.ndarray, costs: StepCosts, lam: float
+    gains: np.ndarray, caps: np.ndarray, costs: StepCosts, lam: float,
+    widths: np.ndarray | None = None,
 ) -> np.ndarray:
     """``argmax_L E(L) - lam * C(L)`` (see the module doc)."""
     num_reqs, k = gains.shape
     cols = np.broadcast_to(np.arange(k), (num_reqs, k))
     allowed = cols < caps[:, None]
-    values = gains - lam * costs.draft_row * (cols >= 1)
+    # Token i >= 2 of request r costs its widths[r] rows of lookahead pass i - 1: still a
+    # constant per request from i = 2 on, so the values stay non-increasing in i.
+    row = costs.draft_row if widths is None else costs.draft_row * widths[:, None]
+    values = gains - lam * row * (cols >= 1)
     rows = np.broadcast_to(np.arange(num_reqs)[:, None], (num_reqs, k))
     v, c, r = values[allowed], cols[allowed], rows[allowed]
     best = np.zeros(num_reqs, dtype=np.int64)
@@ -150,98 +162,35 @@ def choose_draft_lengths(
     costs: StepCosts,
     caps: Sequence[int] | np.ndarray | None = None,
     max_iterations: int = 32,
+    widths: Sequence[int] | np.ndarray | int | None = None,
 ) -> LengthChoice:
     """Each request's draft length maximising expected tokens per second of the step.
 
     ``gains[r, i]``: probability that draft tokens ``1..i+1`` of request ``r`` are all
     accepted (:func:`expected_gains`); ``caps[r]``: the most it may draft (default ``K``,
-    the width of ``gains``; 0: it drafts nothing)."""
+    the width of ``gains``; 0: it drafts nothing). ``widths[r]`` (default 1): the rows
+    request ``r`` carries in every lookahead pass it takes part in: a chain 1, MTAD's beam
+    search its ``B`` beams (1 for a greedy request drafting the argmax chain). Each request
+    of a beam round runs to its own depth and leaves the later passes
+    (``beam_draft.beam_search_batched``'s ``row_depth``), so its cost is the chain's with
+    ``widths[r]`` rows per pass (:meth:`StepCosts.step_time`) and the same exact search
+    applies."""
     g = np.asarray(gains, dtype=np.float64)
     num_reqs, k = g.shape
     cap = np.full(num_reqs, k, dtype=np.int64) if caps is None else np.minimum(
         np.asarray(caps, dtype=np.int64), k)
+    w = None if widths is None else np.broadcast_to(
+        np.asarray(widths, dtype=np.float64), (num_reqs,))
     lengths = np.zeros(num_reqs, dtype=np.int64)
-    rate = expected_tokens(g, lengths) / costs.step_time(lengths)
+    rate = expected_tokens(g, lengths) / costs.step_time(lengths, w)
     for _ in range(max_iterations):
-        candidate = _best_for_lambda(g, cap, costs, rate)
-        cand_rate = expected_tokens(g, candidate) / costs.step_time(candidate)
+        candidate = _best_for_lambda(g, cap, costs, rate, w)
+        cand_rate = expected_tokens(g, candidate) / costs.step_time(candidate, w)
         if not cand_rate > rate * (1.0 + 1e-12):
             break
         lengths, rate = candidate, cand_rate
-    return LengthChoice(lengths, rate, expected_tokens(g, lengths), costs.step_time(lengths))
-
-
-
-@dataclass(frozen=True)
-class DepthChoice:
-    depth: int  # K_step: every request drafts min(depth, cap_r) tokens
-    lengths: np.ndarray  # [R] int64, the resulting per-request lengths
-    rate: float  # E / C: expected tokens per unit of time
-    expected_tokens: float
-    step_time: float
-
-
-def beam_step_time(costs: StepCosts, lengths: Sequence[int], widths: Sequence[int]) -> float:
-    """``C(L)`` of a beam round (MTAD): as :meth:`StepCosts.step_time`, except that a
-    request still drafting at lookahead depth ``d`` carries ``widths[r]`` rows in that
-    pass (its live beams; 1 for a greedy chain) instead of one. The verification rows are
-    still one per drafted token: only the chosen beam is verified."""
-    lengths = [int(n) for n in lengths]
-    total = costs.fixed + float(costs.target(len(lengths), sum(lengths)))
-    if any(lengths):
-        total += costs.draft_round
-    for depth in range(1, max(lengths, default=0)):
-        rows = sum(int(w) for n, w in zip(lengths, widths) if n > depth)
-        total += costs.draft_pass + costs.draft_row * rows
-    return total
-
-
-def choose_step_depth(
-    gains: np.ndarray | torch.Tensor,
-    costs: StepCosts,
-    widths: Sequence[int] | np.ndarray | int = 1,
-    caps: Sequence[int] | np.ndarray | None = None,
-) -> DepthChoice:
-    """One draft depth ``K_step`` in ``0..K`` for the whole batch, maximising expected
-    tokens per second of a beam round (MTAD), where request ``r`` drafts
-    ``min(K_step, caps[r])`` tokens and each lookahead pass carries ``widths[r]`` rows
-    per request still drafting (``R x B`` rows for B beams).
-
-    Why one depth for the batch and not per request: the MTAD round searches every
-    request's beams in lockstep passes to depth K; the per-request verification is
-    ragged already (``verify.request_layout``), but cutting one request's beams short
-    needs per-request depth caps in ``beam_draft.beam_search_batched``. A whole-batch
-    depth needs none: the round runs ``K_step`` deep (0: no round, a plain decode step).
-
-    ``K + 1`` candidates, each costed in closed form from cumulative sums: exact (the
-    tests compare with :func:`beam_step_time` for every depth). Ties go to the shorter
-    depth (less work for the same rate)."""
-    g = np.asarray(gains, dtype=np.float64)
-    num_reqs, k = g.shape
-    w = np.broadcast_to(np.asarray(widths, dtype=np.int64), (num_reqs,))
-    cap = np.full(num_reqs, k, dtype=np.int64) if caps is None else np.clip(
-        np.asarray(caps, dtype=np.int64), 0, k)
-    depths = np.arange(k + 1)
-    lengths = np.minimum(depths[:, None], cap[None, :])  # [K+1, R]
-    # E: 1 per request + the prefix gains up to each request's length.
-    cum_gain = np.concatenate([np.zeros((num_reqs, 1)), np.cumsum(g, axis=1)], axis=1)
-    expected = num_reqs + cum_gain[np.arange(num_reqs)[None, :], lengths].sum(axis=1)
-    # C: lookahead pass d (1..depth-1) runs while some request's length exceeds d and
-    # carries the widths of those requests; since lengths = min(depth, cap), request r is
-    # in pass d iff d < min(depth, cap_r).
-    pass_rows = np.array([int(w[cap > d].sum()) for d in range(k)], dtype=np.float64)
-    pass_live = np.array([bool((cap > d).any()) for d in range(k)])
-    pass_cost = np.where(pass_live, costs.draft_pass + costs.draft_row * pass_rows, 0.0)
-    pass_cost[0] = 0.0  # depth 0 is the first pass, paid in the target side
-    cum_pass = np.cumsum(pass_cost)  # cum_pass[d]: passes 1..d
-    total = lengths.sum(axis=1)
-    step = (costs.fixed + np.asarray(costs.target(num_reqs, total), dtype=np.float64)
-            + np.where(total > 0, costs.draft_round, 0.0)
-            + np.where(depths >= 1, cum_pass[np.maximum(depths - 1, 0)], 0.0))
-    rate = expected / step
-    best = int(np.argmax(rate))  # first maximum: the shortest depth
-    return DepthChoice(best, lengths[best].astype(np.int64), float(rate[best]),
-                       float(expected[best]), float(step[best]))
+    return LengthChoice(lengths, rate, expected_tokens(g, lengths),
+                        costs.step_time(lengths, w))
 
 
 class AcceptanceHistory:

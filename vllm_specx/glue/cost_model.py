@@ -50,7 +50,6 @@ from vllm_specx.algorithms.draft_length import (
     LengthChoice,
     StepCosts,
     choose_draft_lengths,
-    choose_step_depth,
     expected_gains,
 )
 from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, HeadStop
@@ -293,7 +292,7 @@ class CostControlStats:
     partial_zero_steps: int = 0
     planned_tokens: int = 0
     probes: int = 0
-    # Beam rounds (plan_depth): how many steps were planned at each depth.
+    # Beam rounds (plan_depths): how many request-rounds were planned at each depth.
     depths: dict[int, int] = field(default_factory=dict)
 
 
@@ -383,24 +382,31 @@ class CostControl:
                         threshold, signal=signal, head=head, calibration=calibration)
         return RoundPlan(rule, caps_t, choice.rate)
 
-    def plan_depth(self, req_ids: Sequence[str], k_max: int,
-                   widths: Sequence[int] | int) -> int:
-        """One draft depth for the whole batch (a beam round, ``mtad``: its beams search
-        in lockstep passes, ``widths[r]`` rows per request; ``choose_step_depth``). A due
-        probe (a request idle for ``probe_interval`` steps) lifts the depth to at least 1
-        so the pooled acceptance keeps being measured. 0: a plain decode step."""
+    def plan_depths(self, req_ids: Sequence[str], k_max: int,
+                    widths: Sequence[int] | np.ndarray | int) -> np.ndarray:
+        """Each request's draft depth for a beam round (``mtad``), ``[R]`` int64 on the
+        host: its beam search stops at that depth and leaves the later lookahead passes
+        (``beam_search_batched``'s ``row_depth``), where it carries ``widths[r]`` rows
+        (its beams; 1 for a greedy argmax chain), so the chain's exact choice with those
+        widths (``choose_draft_lengths``). A request due a probe (idle for
+        ``probe_interval`` steps, where one sure token would pay) drafts one token. All
+        zero: a plain decode step."""
         k = min(k_max, self.k_max)
         rates = self.history.rates(req_ids)[:, :k]
-        choice = choose_step_depth(expected_gains(rates), self.step_costs(), widths)
-        caps = self.history.probes(req_ids, choice.lengths)
-        depth = max(choice.depth, int(caps.max(initial=0)))
+        costs = self.step_costs()
+        choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths)
+        caps = self.history.probes(req_ids, choice.lengths,
+                                   may_probe=probe_could_pay(choice, costs))
         self.stats.steps += 1
-        self.stats.probes += int(depth > choice.depth)
-        self.stats.planned_tokens += depth * len(req_ids)
-        self.stats.depths[depth] = self.stats.depths.get(depth, 0) + 1
-        if depth == 0:
+        self.stats.probes += int((caps > choice.lengths).sum())
+        self.stats.planned_tokens += int(caps.sum())
+        for depth, count in zip(*np.unique(caps, return_counts=True)):
+            self.stats.depths[int(depth)] = self.stats.depths.get(int(depth), 0) + int(count)
+        if not caps.any():
             self.stats.all_zero_steps += 1
-        return depth
+        elif not caps.all():
+            self.stats.partial_zero_steps += 1
+        return caps
 
     def end(self, req_ids: Sequence[str] | None, lengths: Sequence[int], passes: int,
             rows: int, confidences: torch.Tensor | None = None) -> None:

@@ -74,6 +74,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.algorithms.beam_draft import (
+    SAMPLING_EPS,
     BeamLogprobs,
     BeamSearchState,
     beam_search_batched,
@@ -136,11 +137,13 @@ class MTADDraftStats:
         passes: int,
         request_passes: int | None = None,
         sequential: bool = False,
+        drafted: int | None = None,
     ) -> None:
         full = num_reqs * recompute_tail_cost(b, k)
         self.rounds += 1
         self.requests += num_reqs
-        self.drafted_tokens += num_reqs * k
+        # ``drafted``: the round's tokens when requests drafted to their own depths.
+        self.drafted_tokens += num_reqs * k if drafted is None else drafted
         self.first_pass_tokens += first
         self.tail_tokens += tail
         self.tail_forward_passes += passes
@@ -243,15 +246,13 @@ class MTADRound:
         )
 
     # ----------------------------------------------------------------------------------
-    # cost control (issue 32): one depth per step for the whole batch
+    # cost control (issue 32): every request's own depth per step
     # ----------------------------------------------------------------------------------
 
     def cost_control(self, k_max: int) -> CostControl | None:
         """The round's cost control, or None (``cost_control`` off, draft trees, or tensor /
         pipeline parallelism: every rank must draft in lockstep and each rank's clock
-        differs). One depth for the batch: the beams of all requests search in lockstep
-        passes, so a per-request depth would need per-request caps in the beam search; the
-        ragged verification would take it as it is."""
+        differs)."""
         if self.tree_state is not None:
             return None
         return cost_control_for(self, k_max)
@@ -260,23 +261,53 @@ class MTADRound:
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
         target_tokens: int,
     ) -> Any:
-        """The step's depth, chosen before the first pass (V1, ``SpecxPasses.propose``):
-        depth 0 skips the first pass (a plain decode step; ``DraftKVHoles`` catches the
-        draft KV up later). A pass at depth ``d >= 1`` carries ``R x B`` beam rows (one
-        per greedy request under ``greedy_drafting: "chain"``)."""
+        """Every request's depth for the step, chosen before the first pass (V1
+        ``SpecxPasses.propose``, V2 ``SpecxV2DraftSpeculator.propose``): the beam search
+        runs each request to its own depth (``row_depth``), and a request leaves the
+        lookahead passes once its depth is reached (depth 0: no logits, no lookahead
+        rows). All zero skips the first pass (a plain decode step; ``DraftKVHoles``
+        catches the draft KV up later). A request carries its ``B`` beams in each pass it
+        takes part in, one under ``greedy_drafting: "chain"`` when it is greedy."""
         control = self.cost_control(k)
         if control is None:
             return None
         control.begin(req_ids, num_rejected, target_tokens)
-        b = self.num_beams
-        # The greedy rows' width is not known before the first pass (no sampling metadata
-        # here): priced at B, an upper bound, so the depth is never too deep for its cost.
-        depth = control.plan_depth(req_ids, k, b)
-        caps = torch.full((len(req_ids),), depth, dtype=torch.int64)
-        plan = RoundPlan(AlwaysContinue(max(depth, 1)), caps, 0.0, skip_first_pass=depth == 0)
-        if depth == 0:
+        caps = torch.as_tensor(control.plan_depths(req_ids, k, self._plan_widths(req_ids)),
+                               dtype=torch.int64)
+        nobody = not bool(caps.any())
+        deepest = int(caps.max()) if caps.numel() else 0
+        plan = RoundPlan(AlwaysContinue(max(deepest, 1)), caps, 0.0, skip_first_pass=nobody)
+        if nobody:
             control.end(req_ids, [0] * len(req_ids), 0, 0)
         return plan
+
+    def _plan_widths(self, req_ids: tuple[str, ...]) -> np.ndarray:
+        """The beam rows each request carries per lookahead pass: ``B``, or 1 for a greedy
+        request under ``greedy_drafting: "chain"``. Greedy-ness is read from the runner's
+        request states (before the first pass there is no sampling metadata yet); where
+        a runner does not say, ``B`` (an upper bound: never too deep for its cost)."""
+        b = self.num_beams
+        widths = np.full(len(req_ids), b, dtype=np.int64)
+        if b > 1 and self.greedy_chain:
+            greedy = self._greedy_requests(req_ids)
+            if greedy is not None:
+                widths[greedy] = 1
+        return widths
+
+    def _greedy_requests(self, req_ids: tuple[str, ...]) -> np.ndarray | None:
+        """Which requests are greedy (temperature 0), or None where the runner does not
+        say: V1's ``input_batch.greedy_reqs``, V2's sampling states by request row."""
+        runner = self.model_runner
+        greedy_reqs = getattr(getattr(runner, "input_batch", None), "greedy_reqs", None)
+        if greedy_reqs is not None:  # V1
+            return np.array([rid in greedy_reqs for rid in req_ids], dtype=bool)
+        states = getattr(getattr(runner, "sampler", None), "sampling_states", None)
+        index = getattr(getattr(runner, "req_states", None), "req_id_to_index", None)
+        if states is None or index is None:
+            return None
+        temperature = states.temperature.np  # V2: per request-state row
+        return np.array([temperature[index[rid]] < SAMPLING_EPS for rid in req_ids],
+                        dtype=bool)
 
     # ----------------------------------------------------------------------------------
     # the round after the first pass
@@ -292,15 +323,28 @@ class MTADRound:
         cad, sample_positions = start.cad, start.sample_positions
         base_seq_lens = start.base_seq_lens
         plan = start.plan
+        # Per-request depths (cost control): each request's beam search stops at its own
+        # depth and leaves the later passes; None: every request runs K deep.
+        row_depth: torch.Tensor | None = None
         if plan is not None:
             k = min(k, int(plan.caps.max()) if plan.caps.numel() else 0)
+            if not bool((plan.caps >= k).all()):
+                row_depth = plan.caps.clamp(max=k)
         self.last_sample_positions = sample_positions
         if k == 0 and plan is not None:
             # The depth control planned 0 and the first pass ran all the same: no logits,
             # no round, and the plan already ended the control's round; the empty lists
             # tell the scheduler (V2: take_draft_lengths) there is no draft.
             return [[] for _ in range(num_reqs)]
-        logits = self.model.compute_logits(start.out)
+        if row_depth is not None and not bool((row_depth > 0).all()):
+            # Requests planned at depth 0: no logits (their rows stay 0: any finite
+            # values, the search gives them no live beam).
+            drafting = (row_depth > 0).nonzero().squeeze(1).to(start.out.device)
+            some = self.model.compute_logits(start.out[drafting])
+            logits = some.new_zeros(num_reqs, some.shape[1])
+            logits[drafting] = some
+        else:
+            logits = self.model.compute_logits(start.out)
         if k == 0:
             if self._cost_control is not None:
                 # A step without a round: the next interval would span two steps.
@@ -352,23 +396,27 @@ class MTADRound:
         if self.greedy_chain and b > 1 and bool(greedy.any()):
             row_width = torch.where(greedy, 1, b).to(logits.device)
         draft_tokens, q, final = beam_search_batched(
-            warp(logits), k, b, forward, greedy, generators, row_width=row_width
+            warp(logits), k, b, forward, greedy, generators, row_width=row_width,
+            row_depth=row_depth,
         )
         if self.tree_state is not None:
             return self._tree_round(start, final, mapping, forward, b, k)
         if mapping is not None:
             draft_tokens = mapping.map_draft_to_target_ids(draft_tokens)
+        # Past a request's depth q is 0; the runner reads only [row, :num_draft].
         self._last_draft_probs = q.to(torch.float32).contiguous()
+        lengths = [k] * num_reqs if row_depth is None else row_depth.tolist()
         self.stats.record(
             num_reqs, k, b, start.first_tokens, forward.tokens, forward.passes,
             request_passes=num_reqs + forward.request_passes,
             sequential=isinstance(forward, _SequentialBeamPasses) and k > 1,
+            drafted=sum(lengths),
         )
         if plan is not None and self._cost_control is not None:
-            self._cost_control.end(start.req_ids, [k] * num_reqs, forward.passes,
-                                   forward.tokens)
-            # Fewer than vLLM's K: the V1 runner takes ragged lists (as adaptive's).
-            return draft_tokens.tolist()
+            self._cost_control.end(start.req_ids, lengths, forward.passes, forward.tokens)
+            # Fewer than vLLM's K, or ragged: the V1 runner takes ragged lists (as
+            # adaptive's), V2 its take_draft_lengths.
+            return [row[:n] for row, n in zip(draft_tokens.tolist(), lengths)]
         return draft_tokens
 
     def _tree_round(self, start: RoundStart, final: BeamSearchState, mapping: Any,
@@ -646,9 +694,16 @@ class _BatchedBeamPasses:
             if hidden_all is None:
                 raise RuntimeError("MTAD: no live beam was fed at this depth")
             dev = hidden_all.device
-            picked = model.compute_logits(hidden_all[idx.clamp(min=0).to(dev)])
-            # Dead beams' rows: any finite values (their -inf scores keep them out).
-            picked = picked.masked_fill(~fed.to(dev).unsqueeze(1), 0.0)
+            if bool(fed.all()):
+                return warp(model.compute_logits(hidden_all[idx.to(dev)]))
+            # Dead beams' rows (and requests past their depth): zeros, any finite values
+            # (their -inf scores keep them out), and no LM-head rows spent on them.
+            rows = fed.nonzero().squeeze(1)
+            some = model.compute_logits(hidden_all[idx[rows].to(dev)] if rows.numel()
+                                        else hidden_all[:1])
+            picked = some.new_zeros(idx.shape[0], some.shape[1])
+            if rows.numel():
+                picked[rows.to(dev)] = some
             return warp(picked)
 
         return beam_logprobs
@@ -680,12 +735,23 @@ class _SingleBeamPasses:
     def __call__(self, state: BeamSearchState) -> BeamLogprobs:
         tails = state.tokens[:, 0, :]  # [R, j]: each request's one beam
         j = tails.shape[1]
-        start = torch.full((self.num_reqs,), j - 1, dtype=torch.int64)
-        hidden = self.lookahead.run(self.rows, tails, start)
-        self.tokens += self.num_reqs
+        # Requests past their own depth (cost control's row_depth) have no live beam and
+        # leave the pass.
+        live = torch.isfinite(state.scores[:, 0]).to("cpu")
+        every = bool(live.all())
+        rows = self.rows if every else self.rows[live]
+        n = int(rows.numel())
+        start = torch.full((n,), j - 1, dtype=torch.int64)
+        hidden = self.lookahead.run(rows, tails if every else tails[live.to(tails.device)],
+                                    start)
+        self.tokens += n
         self.passes += 1
-        self.request_passes += self.num_reqs
-        logprobs = self.warp(self.p.model.compute_logits(hidden))
+        self.request_passes += n
+        logits = self.p.model.compute_logits(hidden)
+        if not every:
+            some, logits = logits, logits.new_zeros(self.num_reqs, logits.shape[1])
+            logits[rows.to(logits.device)] = some
+        logprobs = self.warp(logits)
         return lambda beam: logprobs
 
 
@@ -712,13 +778,22 @@ class _SequentialBeamPasses:
     def __call__(self, state: BeamSearchState) -> BeamLogprobs:
         tails = state.tokens.to("cpu")  # [R, B, j]
         j = tails.shape[2]
+        # Requests past their own depth (cost control's row_depth): no live beam, no pass.
+        active = torch.isfinite(state.scores).any(dim=1).to("cpu")
+        rows = None if bool(active.all()) else active.nonzero().squeeze(1)
 
         def beam_logprobs(beam: torch.Tensor) -> torch.Tensor:
             pick = beam.to("cpu").view(-1, 1, 1).expand(-1, 1, j)
-            logits, n_tok, n_pass = self.tail.run(tails.gather(1, pick).squeeze(1))
+            beam_tails = tails.gather(1, pick).squeeze(1)
+            if rows is not None:
+                beam_tails = beam_tails[rows]
+            logits, n_tok, n_pass = self.tail.run(beam_tails, rows)
             self.tokens += n_tok
             self.passes += n_pass
-            self.request_passes += self.num_reqs
+            self.request_passes += self.num_reqs if rows is None else int(rows.numel())
+            if rows is not None:
+                some, logits = logits, logits.new_zeros(self.num_reqs, logits.shape[1])
+                logits[rows.to(logits.device)] = some
             return self.warp(logits)
 
         return beam_logprobs
@@ -752,19 +827,23 @@ class _TailWriter:
         # Rows per pass: every pass must fit the proposer's token buffers.
         self.max_tokens = proposer.max_num_tokens
 
-    def run(self, tails: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        """Make ``tails[r]`` ([R, j]) the content of request r's lookahead slots and return
-        the draft logits after its last token ([R, V]), tokens fed, passes run."""
+    def run(self, tails: torch.Tensor, rows: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, int, int]:
+        """Make ``tails[i]`` ([n, j]) the content of request ``rows[i]``'s lookahead slots
+        (``rows`` None: every request, in order) and return the draft logits after its
+        last token ([n, V]), tokens fed, passes run."""
         tails_cpu = tails.to("cpu", torch.int64)
         j = tails_cpu.shape[1]
-        start = tail_feed_start(self.held, self.held_len, tails_cpu, reuse=self.p.reuse_kv_prefix)
+        req = torch.arange(self.num_reqs, dtype=torch.int64) if rows is None else rows.to(
+            "cpu", torch.int64)
+        start = tail_feed_start(self.held[req], self.held_len[req], tails_cpu,
+                                reuse=self.p.reuse_kv_prefix)
         q_lens = j - start
         logits_parts = []
         for lo, hi in split_rows_by_token_budget(q_lens, self.max_tokens):
-            rows = torch.arange(lo, hi, dtype=torch.int64)
-            hidden = self.lookahead.run(rows, tails_cpu[lo:hi], start[lo:hi])
+            hidden = self.lookahead.run(req[lo:hi], tails_cpu[lo:hi], start[lo:hi])
             logits_parts.append(self.p.model.compute_logits(hidden))
         tokens, passes = int(q_lens.sum()), len(logits_parts)
-        self.held[:, :j] = tails_cpu
-        self.held_len.fill_(j)
+        self.held[req, :j] = tails_cpu
+        self.held_len[req] = j
         return torch.cat(logits_parts, dim=0), tokens, passes
