@@ -9,11 +9,13 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   :attr:`~vllm_specx.backends.base.Backend.cost_clock`, so that other jobs on a shared
   host do not read as the cost of drafting), i.e. scheduling, the target's forward over
   ``B`` requests verifying ``S`` draft tokens, sampling and bookkeeping, and, for a
-  drafter that plans after its first pass (draft trees; EAGLE / MTP heads on Model Runner
-  V2), that first pass. The V1 chain drafters (a draft model, and EAGLE / MTP heads, whose
-  skipped pass ``glue/head_kv_holes.py`` catches up) start their round before their first
-  pass instead (``plan_before_first_pass`` in ``glue/chain_drafter.py``): a step where
-  nobody drafts skips the pass, so the pass belongs to the round's ``any draft`` term. Fitted as
+  drafter that plans after its first pass (draft trees), that first pass. The chain
+  drafters on V1 and Model Runner V2 (a draft model, and EAGLE / MTP heads, whose skipped
+  pass ``glue/head_kv_holes.py`` catches up) start their round before their first pass
+  instead (``plan_before_first_pass`` in ``glue/chain_drafter.py``, called from
+  ``SpecxPasses.propose`` on V1 and ``plan_or_skip_first_pass`` in
+  ``glue/v2_speculators.py`` on V2): a step where nobody drafts skips the pass, so the
+  pass belongs to the round's ``any draft`` term. Fitted as
   ``a + b * B + c * S`` over decode steps (steps with prefill tokens are skipped, and an
   interval far above the model, such as the idle gap between two ``generate`` calls, is
   dropped);
