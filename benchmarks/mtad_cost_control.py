@@ -7,14 +7,15 @@ alike:
 
 * ``no speculation``;
 * ``mtad K`` (``"cost_control": false``): every step drafts K (the default before);
-* ``mtad cc`` (``"cost_control": true``): each step's depth 0..K from measured costs.
+* ``mtad cc`` (``"cost_control": true``): each request's depth 0..K per step from
+  measured costs.
 
 Every request generates ``--max-tokens`` tokens (``ignore_eos``); greedy at ``--temperature
 0``, else seeded sampling. Reported per row (median over the repeats, with the spread):
 generated tokens per CPU second and per wall second of the whole ``generate`` (prefill
 included) and their ratio to no speculation, block efficiency (tokens per request-step
-of the decode steps), the control's steps per depth, and (greedy) whether the outputs
-equal no speculation's::
+of the decode steps), the control's request-rounds per depth, and (greedy) whether
+the outputs equal no speculation's::
 
     python benchmarks/mtad_cost_control.py --pair fixture --batch 1
     python benchmarks/mtad_cost_control.py --pair real --batch 8 --temperature 1
@@ -131,7 +132,7 @@ def main() -> int:
             drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
             cc = drafter.specx_stats().get("cost_control")
             if cc:
-                row["steps_per_depth"] = cc.get("depth_histogram")
+                row["request_rounds_per_depth"] = cc.get("depth_histogram")
                 row["idle_first_pass"] = cc.get("idle_first_pass")
                 row["model"] = cc.get("model")
         result.append(row)
@@ -144,7 +145,7 @@ def main() -> int:
     for r in result:
         print(f"{r['config']:16s} CPU {r['cpu_speedup']:.3f}x {r['cpu_speedup_spread']} "
               f"wall {r['wall_speedup']:.3f}x {r['wall_speedup_spread']} "
-              f"block eff {r['block_efficiency']:.3f} depths {r.get('steps_per_depth')} "
+              f"block eff {r['block_efficiency']:.3f} depths {r.get('request_rounds_per_depth')} "
               f"same {r.get('same_output_as_no_speculation')}", file=sys.stderr)
     print(f"load average during the runs: {load}", file=sys.stderr)
     return 0

@@ -279,14 +279,15 @@ COST_CONTROL = Knob(
     "alone decides. With a dynamic draft_tree it is off unless given: true keeps per "
     "request only the tree nodes that pay at those costs, down to none (a plain step)",
 )
-# mtad's depth control (issue 32): one depth 0..K per step for the whole batch
-# (``CostControl.plan_depth``); off by default until the bench says it does not hurt
-# (docs/cost-control.md, "mtad: per-step depth").
+# mtad's depth control (issue 32): every request's own depth 0..K per step
+# (``CostControl.plan_depths``); off by default until the bench says it does not hurt
+# (docs/cost-control.md, "mtad: per-request depth").
 MTAD_COST_CONTROL = Knob(
     "cost_control", "bool", False, "true or false",
-    "choose every step's beam depth (0..num_speculative_tokens, one for the whole batch) "
-    "from the engine's own measured step costs and the requests' acceptance so far; 0 is a "
-    "plain decode step that skips the draft model. Off by default: mtad's sampled output "
+    "choose every step's beam depth per request (0..num_speculative_tokens; a request "
+    "leaves the draft passes at its own depth) from the engine's own measured step costs "
+    "and each request's acceptance so far; all 0 is a plain decode step that skips the "
+    "draft model. Off by default: mtad's sampled output "
     "depends on how much it drafts, and the control weighs only speed (docs/cost-control.md); "
     "for greedy traffic whose drafts may not pay. Either model runner; not with draft_tree",
 )

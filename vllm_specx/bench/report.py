@@ -224,7 +224,7 @@ def cost_control_line(control: dict[str, Any]) -> str:
         f"{text}; {control.get('steps')} steps planned, {control.get('all_zero_steps')} "
         f"drafting nothing, {control.get('partial_zero_steps')} drafting for some requests "
         f"only; pooled acceptance per position {control.get('pooled_acceptance')}"
-        + (f"; steps per depth {control['depth_histogram']}"
+        + (f"; request-rounds per depth {control['depth_histogram']}"
            if control.get("depth_histogram") else "")
         + _calibration_text(control.get("confidence_calibration"))
     )
