@@ -91,8 +91,29 @@ def test_mixed_greedy_and_sampled_batch(pair, engine):
         )
         for i, w in enumerate(warps)
     ]
-    seqs = engine.generate(prompts, params)
+    # The rows cost control prices per request and pass (widths) under
+    # greedy_drafting "chain": 1 for a greedy request (read off the runner's request
+    # states before any sampling metadata exists), B for a sampled one.
+    drafter, widths = engine.drafter, {}
+    round_fn = drafter.draft_round
+
+    def draft_round(start, sampling):
+        saved = drafter.settings
+        drafter.settings = {**saved, "greedy_drafting": "chain"}
+        try:
+            for rid, w in zip(start.req_ids, drafter._plan_widths(start.req_ids).tolist()):
+                widths.setdefault(rid.rsplit("-", 1)[0], set()).add(w)
+        finally:
+            drafter.settings = saved
+        return round_fn(start, sampling)
+
+    drafter.draft_round = draft_round
+    try:
+        seqs = engine.generate(prompts, params)
+    finally:
+        del drafter.draft_round
     ids = sorted(seqs, key=int)
+    assert [widths[rid] for rid in ids] == [{1} if w.greedy else {3} for w in warps]
     for rid, prompt, w in zip(ids, prompts, warps):
         if w.greedy:
             assert seqs[rid] == prompt + greedy_generate(target, prompt, 10)
