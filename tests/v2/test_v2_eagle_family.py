@@ -15,13 +15,17 @@ cache too small for the "many" batch:
 * seeded sampled requests (temperature 1, top-k 3): two-token outputs follow the target's
   exact distribution (chi-square) and seeds reproduce;
 * ``adaptive: true`` (a third engine): greedy output equals no speculation, a stop token
-  mid-draft, and the scheduler sees ragged draft lengths.
+  mid-draft, and the scheduler sees ragged draft lengths; with cost control forced to
+  plan zero on runs of steps (tests/idle_steps.py), those steps skip the MTP layer's
+  first pass and its KV is caught up (drafts and first passes equal to those with every
+  first pass run).
 
 ``specx_eagle3`` with the adaptive stop (fixture target + the test EAGLE-3 head, whose
 auxiliary layer ids only ``eagle_config`` holds, which V2 itself does not read): greedy
 output equals V2 without speculation, drafts ragged. On these synthetic prompts neither
 runner accepts this head's drafts (vLLM's own ``eagle3`` neither); on held-out text both
-accept the same (docs/model-runners.md).
+accept the same (docs/model-runners.md), so the idle-step runs (as for ``specx_mtp``) use
+the held-out prompts (prefix caching: block ends caught up too).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from v2_cases import GREEDY, MTP_TARGET, PROMPTS, TARGET, build_eagle3_head
+from idle_steps import check_idle_steps
+from v2_cases import GREEDY, MTP_TARGET, PROMPTS, TARGET, build_eagle3_head, heldout_prompts
 
 pytestmark = pytest.mark.engine
 
 K = 3
+ADAPTIVE_K = 4  # the adaptive engines' K
 N_STAT = 160
 STAT_TOP_K = 3
 STAT_PROMPT = PROMPTS[1][:9]
@@ -182,42 +188,95 @@ def test_specx_sampler_on_v2_samples_the_target_distribution(mtp, v2_host):
     assert [tuple(t) for t in again] == samples[:16]
 
 
-def test_specx_eagle3_adaptive_greedy_equals_no_speculation(v2_engine, v2_host, v2_reference,
-                                                            tmp_path_factory):
+def run_idle(llm: Any, prompts: list[list[int]], k: int) -> dict[str, Any]:
+    """Runs in the V2 host: tests/idle_steps.py's two runs of ``prompts`` (greedy,
+    MAX_TOKENS) under the same scripted plans, skipping the head's first pass on all-zero
+    steps and with every first pass run, each from an empty prefix cache."""
+    from idle_steps import run_idle_steps
+    from vllm import SamplingParams
+
+    from vllm_specx.testing.v2_engine import runner_of
+
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True)
+    return run_idle_steps(llm, runner_of(llm).speculator, k, prompts, params,
+                          fresh_prefix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def eagle3_adaptive(v2_engine, v2_host, tmp_path_factory) -> dict[str, Any]:
     """specx_eagle3 with the adaptive confidence stop on V2, over the test head (its
-    auxiliary layer ids in eagle_config only): greedy == no speculation, ragged drafts."""
-    k = 4
+    auxiliary layer ids in eagle_config only): PROMPTS greedy with the configured
+    ``"cost_control": false``, then the idle-step runs on the held-out prompts (where
+    the head's drafts are accepted). One engine, stopped after."""
     _only_engine(v2_host)
     head = build_eagle3_head(str(tmp_path_factory.mktemp("v2_eagle3_head")))
     d = v2_engine("specx_eagle3", TARGET, speculative_config={
-        "method": "specx_eagle3", "model": head, "num_speculative_tokens": k,
+        "method": "specx_eagle3", "model": head, "num_speculative_tokens": ADAPTIVE_K,
         "adaptive": True, "confidence_threshold": 0.3, "cost_control": False})
-    assert d["speculator"] == "vllm_specx.glue.v2_eagle.EagleChainV2Speculator"
-    assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
     out, c = _delta(v2_host, "specx_eagle3",
                     lambda: v2_host.generate("specx_eagle3", PROMPTS, GREEDY))
+    idle = v2_host.call("specx_eagle3", f"{__name__}:run_idle", heldout_prompts(), ADAPTIVE_K)
     v2_host.stop("specx_eagle3")
-    assert out == v2_reference
-    _assert_ragged(c, k)
+    return {"description": d, "out": out, "counters": c, "idle": idle}
 
 
-def test_specx_mtp_adaptive_on_v2_greedy_ragged(mtp, v2_engine, v2_host):
-    """The adaptive stop on V2 (the V1 chain round over vLLM's V2 MTP first pass): greedy
-    output equals no speculation, with a stop token ending one request mid-draft, and the
-    scheduler gets ragged draft lengths (G2's v2_ragged_draft_lengths)."""
-    k = 4
+def test_specx_eagle3_adaptive_greedy_equals_no_speculation(eagle3_adaptive, v2_reference):
+    """Greedy == no speculation, ragged drafts."""
+    d = eagle3_adaptive["description"]
+    assert d["speculator"] == "vllm_specx.glue.v2_eagle.EagleChainV2Speculator"
+    assert d["rejection_sampler"] == "vllm_specx.glue.v2_sampler.SpecxV2RejectionSampler"
+    assert eagle3_adaptive["out"] == v2_reference
+    _assert_ragged(eagle3_adaptive["counters"], ADAPTIVE_K)
+
+
+def test_steps_where_nobody_drafts_skip_the_eagle3_first_pass_on_v2(eagle3_adaptive,
+                                                                   v2_heldout_reference):
+    """specx_eagle3 on V2 with cost control planning zero drafts for every request on
+    runs of one and four steps (tests/idle_steps.py): those steps skip vLLM's first pass,
+    keeping its inputs (the tokens and the target's auxiliary hidden states, uncombined);
+    the next first pass that runs, and block ends under prefix caching, catch the head's
+    KV up first. Greedy output equals no speculation and every round's drafts equal those
+    of the same plans with every first pass run (a catch-up that writes nothing fails)."""
+    idle = eagle3_adaptive["idle"]
+    check_idle_steps(idle, v2_heldout_reference)
+    assert idle["holes"]["block_end_catch_ups"] > 0
+
+
+@pytest.fixture(scope="module")
+def mtp_adaptive(mtp, v2_engine, v2_host) -> dict[str, Any]:
+    """specx_mtp with the adaptive stop on V2 (``"cost_control": false`` as configured): a
+    stop token ending one request mid-draft, then the idle-step runs on PROMPTS. One
+    engine, stopped after."""
     _only_engine(v2_host)
     d = v2_engine("specx_mtp_adaptive", MTP_TARGET, speculative_config={
-        "method": "specx_mtp", "num_speculative_tokens": k, "adaptive": True,
+        "method": "specx_mtp", "num_speculative_tokens": ADAPTIVE_K, "adaptive": True,
         "cost_control": False}, **MTP_KWARGS)
-    assert d["speculator"] == "vllm_specx.glue.v2_eagle.MtpChainV2Speculator"
     ref = mtp["ref"]["ragged"]
     stop = ref[2][4]
     sampling = [GREEDY, GREEDY, dict(GREEDY, stop_token_ids=[stop])]
     out, c = _delta(v2_host, "specx_mtp_adaptive",
                     lambda: v2_host.generate("specx_mtp_adaptive", PROMPTS, sampling))
+    idle = v2_host.call("specx_mtp_adaptive", f"{__name__}:run_idle", PROMPTS, ADAPTIVE_K)
     v2_host.stop("specx_mtp_adaptive")
+    return {"description": d, "out": out, "counters": c, "stop": stop, "idle": idle}
+
+
+def test_specx_mtp_adaptive_on_v2_greedy_ragged(mtp, mtp_adaptive):
+    """The adaptive stop on V2 (the V1 chain round over vLLM's V2 MTP first pass): greedy
+    output equals no speculation, with a stop token ending one request mid-draft, and the
+    scheduler gets ragged draft lengths (G2's v2_ragged_draft_lengths)."""
+    assert mtp_adaptive["description"]["speculator"] == (
+        "vllm_specx.glue.v2_eagle.MtpChainV2Speculator")
+    ref, out, stop = mtp["ref"]["ragged"], mtp_adaptive["out"], mtp_adaptive["stop"]
     assert out[:2] == ref[:2]
     assert out[2] == ref[2][: ref[2].index(stop) + 1]
+    c = mtp_adaptive["counters"]
     assert 0 < c["num_accepted_tokens"]
-    _assert_ragged(c, k)
+    _assert_ragged(c, ADAPTIVE_K)
+
+
+def test_steps_where_nobody_drafts_skip_the_mtp_first_pass_on_v2(mtp, mtp_adaptive):
+    """specx_mtp on V2 (MLA target, no prefix caching) as the EAGLE-3 test above: the
+    skipped first passes keep the target's final hidden states, the catch-ups feed them
+    back, and the drafts and the greedy output are those with every first pass run."""
+    check_idle_steps(mtp_adaptive["idle"], mtp["ref"]["ragged"])

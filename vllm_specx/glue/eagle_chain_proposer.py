@@ -65,6 +65,7 @@ class EagleRoundHooks(ChainRound):
     # The next pass reads the draft's hidden state of the step before.
     feeds_hidden = True
     hidden_states: torch.Tensor
+    method: str  # vLLM's draft method: "eagle3" combines auxiliary layers with its fc
 
     def stop_rule(self, k_max: int) -> DraftStopRule:
         """Fixed K without ``adaptive``; else the adaptive rule of the round."""
@@ -92,6 +93,15 @@ class EagleRoundHooks(ChainRound):
 
     def feed_hidden(self, hidden: torch.Tensor) -> None:
         self.hidden_states[: hidden.shape[0]] = hidden
+
+    def first_pass_hidden(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """An EAGLE-3 head's ``fc`` over the target's auxiliary hidden states (vLLM's
+        ``propose`` applies it before its first pass), on a chain step (on V1 a tree step
+        combined them in ``EagleChainProposer.propose``); what a catch-up feeds the kept
+        rows through (``HeadKVHoles``: chain steps only; on V1 also the first pass)."""
+        if self.method == "eagle3" and getattr(self, "tree_state", None) is None:
+            return self.model.combine_hidden_states(target_hidden_states)
+        return target_hidden_states
 
 
 class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EagleProposer):
@@ -136,15 +146,6 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
             else:  # positional: (K, token ids, positions, hidden states, ...)
                 args = (*args[:3], prepare(args[3]), *args[4:])
         return super().propose(*args, **kwargs)
-
-    def first_pass_hidden(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
-        """An EAGLE-3 head's ``fc`` over the target's auxiliary hidden states (vLLM's base
-        ``propose`` applies it before its first pass), on a chain step (a tree step
-        combined them in :meth:`propose`); also what a catch-up feeds the kept rows
-        through (``HeadKVHoles``: chain steps only)."""
-        if self.method == "eagle3" and self.tree_state is None:
-            return self.model.combine_hidden_states(target_hidden_states)
-        return target_hidden_states
 
     def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:
         """One draft forward. The lookahead passes build draft-model inputs; the draft also

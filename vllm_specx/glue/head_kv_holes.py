@@ -1,5 +1,5 @@
 """Skipped first passes of an EAGLE / EAGLE-3 head or an MTP layer, and their catch-up
-(issue 32; vLLM glue, checked on vLLM 0.32 V1).
+(issue 32; vLLM glue, checked on vLLM 0.32 V1 and Model Runner V2).
 
 A draft model's first pass at position ``i`` reads only the committed token there, so
 :class:`~.draft_passes.DraftKVHoles` catches a skipped pass up from the runner's token ids.
@@ -23,11 +23,16 @@ request keeps at most a block plus a step. Entries of requests the runner no lon
 preemption) drops its entry at its next first pass, which rewrites those positions.
 Draft trees (``tree_state``) and vLLM's drafting paths that reshape the first pass's inputs
 (parallel drafting, a heterogeneous vocabulary) never skip.
+
+One record for both runners: V1's ``EagleChainProposer`` keeps a step through
+:meth:`HeadKVHoles.keep_first_pass_inputs`, Model Runner V2's heads
+(``glue/v2_eagle.py``) through :meth:`HeadKVHoles.keep_rows` with the rows read off V2's
+batch; the catch-up passes are each runner's lookahead passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,28 +119,51 @@ class HeadKVHoles(DraftKVHoles):
                                target_hidden_states: torch.Tensor,
                                token_indices_to_sample: torch.Tensor | None,
                                cad: CommonAttentionMetadata) -> None:
-        """Keep each request's first-pass inputs at its accepted positions: vLLM's shifted
-        token ids (``set_inputs_first_pass``: position ``i`` is fed the token at ``i + 1``,
-        the step's new token at the last accepted row) and the hidden-state rows."""
+        """V1: keep each request's first-pass inputs at its accepted positions
+        (:meth:`keep_rows`) from the runner's step: its query rows start at
+        ``query_start_loc``, the last accepted one is ``token_indices_to_sample`` (the
+        padded batch: rejected rows sit after it) or the query's last row."""
         num_reqs = len(req_ids)
         qsl = cad.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
         if token_indices_to_sample is None:
             last = qsl[1:] - 1
-        else:  # the padded batch: rejected rows sit after each request's last accepted one
+        else:
             last = token_indices_to_sample[:num_reqs].to("cpu", torch.int64)
+        runner = getattr(proposer, "runner", None)
+        self.keep_rows(req_ids, target_token_ids, next_token_ids, target_hidden_states,
+                       qsl[:-1], last, runner.input_batch.num_computed_tokens_cpu[:num_reqs],
+                       getattr(runner, "requests", None))
+
+    def keep_rows(self, req_ids: Sequence[str], target_token_ids: torch.Tensor,
+                  next_token_ids: torch.Tensor,
+                  target_hidden_states: torch.Tensor | Sequence[torch.Tensor],
+                  starts: torch.Tensor, last: torch.Tensor, first_pos: np.ndarray,
+                  live: Container[str] | None) -> None:
+        """Keep each request's first-pass inputs at its accepted positions, for any runner:
+        the token fed at each position is the target's token at the next one (vLLM's
+        first pass shifts the query's token ids by one), the step's new token at the last
+        accepted row; the hidden state is the target's row there. ``starts``/``last``
+        (host int64, [R]): each request's first and last accepted row of the step's
+        tokens; ``first_pos``: its first query position. ``target_hidden_states`` may be
+        EAGLE-3's auxiliary layers as a list (Model Runner V2 hands them over so): the
+        kept rows are their concatenation, as V1's runner hands them over. ``live``: the
+        runner's unfinished requests (None: keep every entry)."""
+        num_reqs = len(req_ids)
         n = target_token_ids.shape[0]
         ids = torch.empty_like(target_token_ids[:n])
         ids[: n - 1] = target_token_ids[1:n]
         ids[last.to(ids.device)] = next_token_ids[:num_reqs].to(ids.dtype)
-        first_pos = proposer.runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-        starts = qsl[:-1]
         lens = last + 1 - starts  # accepted rows per request
         # One gather of every request's accepted rows (copies: vLLM reuses its buffers).
         rows = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
         rows += torch.arange(int(lens.sum()))
         rows = rows.to(ids.device)
         step_tokens = ids.index_select(0, rows).to(torch.int64)
-        step_hidden = target_hidden_states.index_select(0, rows)
+        if isinstance(target_hidden_states, torch.Tensor):
+            step_hidden = target_hidden_states.index_select(0, rows)
+        else:
+            step_hidden = torch.cat([h.index_select(0, rows) for h in target_hidden_states],
+                                    dim=-1)
         valid_end = np.asarray(first_pos, dtype=np.int64) + lens.numpy()
         off = 0
         for i, rid in enumerate(req_ids):
@@ -148,11 +176,10 @@ class HeadKVHoles(DraftKVHoles):
             kept.append(tokens, hidden)
         self._valid_end = valid_end
         self._rows = list(req_ids)
-        requests = getattr(getattr(proposer, "runner", None), "requests", None)
-        if requests is not None and len(self.kept) > num_reqs:
-            # Finished requests never come back (a preempted one stays in the runner's
+        if live is not None and len(self.kept) > num_reqs:
+            # Finished requests never come back (a preempted one stays in V1's runner's
             # requests and keeps its entry until its next first pass).
-            self.kept = {r: v for r, v in self.kept.items() if r in requests}
+            self.kept = {r: v for r, v in self.kept.items() if r in live}
 
     def skip(self, proposer: Any, cad: CommonAttentionMetadata, req_ids: Sequence[str],
              first_pos: np.ndarray, query_lens: np.ndarray, committed: np.ndarray,

@@ -339,6 +339,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vllm.v1.worker.gpu.states:RequestState", "all_token_ids",
                 "instance attribute", _V2_GLUE,
                 "the committed tokens a draft-KV catch-up feeds (V2CommittedTokens)"),
+    PrivateName("vllm.v1.worker.gpu.states:RequestState", "req_id_to_index",
+                "instance attribute", ("vllm_specx/glue/v2_eagle.py",),
+                "the V2 runner's unfinished requests: an EAGLE/MTP head's kept first-pass "
+                "inputs of the others are dropped (HeadKVHoles)"),
     # --- the specx sampler --------------------------------------------------------------
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),

@@ -16,7 +16,13 @@ The speculators here are those classes:
   (:class:`~.v2_speculators.V2LookaheadPasses`, over V2's block tables) and their
   ragged-length hand-over to the scheduler (``take_draft_lengths``, read by the
   ``v2_ragged_draft_lengths`` patch). Those passes run eager: their batch shrinks
-  within a round;
+  within a round. With cost control the round's lengths are planned before the first
+  pass, as on V1 (``plan_or_skip_first_pass``, shared with the draft-model speculators);
+  a step where nobody drafts skips vLLM's first pass, keeping what it would have read
+  (:class:`~.head_kv_holes.HeadKVHoles`: V2's query tokens shifted by one, the token just
+  sampled, the target's hidden states, EAGLE-3's auxiliary layers uncombined), and the
+  head's KV is caught up through the lookahead passes before the next first pass that
+  runs (and at block ends under prefix caching);
 * with ``draft_tree`` (``specx_eagle3`` / ``specx_eagle`` / ``specx_mtp``) the rest of the
   round is V1's head-tree round (:class:`~.eagle_tree_proposer.EagleTreeRound`: one pass
   per depth over every node fed so far, ancestor masks, RoPE position ``P + depth``) over
@@ -29,13 +35,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
 
-from vllm_specx.glue.draft_passes import RoundStart
+from vllm_specx.glue.draft_passes import DraftKVHoles, RoundStart
 from vllm_specx.glue.eagle_chain_proposer import EagleRoundHooks
 from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
+from vllm_specx.glue.head_kv_holes import HeadKVHoles
 from vllm_specx.glue.v2_speculators import SpecxV2DraftSpeculator, V2Batch
 
 __all__ = ["EagleChainV2Speculator", "MtpChainV2Speculator"]
@@ -55,6 +63,17 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
     take_draft_lengths = SpecxV2DraftSpeculator.take_draft_lengths
     take_last_draft_probs = SpecxV2DraftSpeculator.take_last_draft_probs
     _draft_group = SpecxV2DraftSpeculator._draft_group
+    # ... and their skip of an idle first pass (the plan before it, the hole record, the
+    # catch-up over the lookahead passes, the zero-length drafts).
+    plan_or_skip_first_pass = SpecxV2DraftSpeculator.plan_or_skip_first_pass
+    kv_holes = SpecxV2DraftSpeculator.kv_holes
+    block_size = SpecxV2DraftSpeculator.block_size
+    catch_up_pass_tokens = SpecxV2DraftSpeculator.catch_up_pass_tokens
+    sampler_reads_draft_probs = SpecxV2DraftSpeculator.sampler_reads_draft_probs
+    _no_drafts = SpecxV2DraftSpeculator._no_drafts
+    # A chain step whose plan drafts nothing for anyone skips vLLM's first pass
+    # (HeadKVHoles keeps its inputs and catches the head's KV up; trees never skip).
+    skips_idle_first_pass = True
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device)
@@ -134,11 +153,33 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
             return super().propose(*args, num_speculative_tokens=num_speculative_tokens,
                                    **kwargs)
         num_reqs = input_batch.num_reqs
+        req_ids = tuple(input_batch.req_ids[:num_reqs])
+        batch = V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs],
+                        self.block_tables.block_tables[self._draft_group()].gpu[
+                            input_batch.idx_mapping[:num_reqs]])
+        plan = None
+        if tree_state is None:
+            # A chain round plans before the first pass, as on V1 (cost control: the pass
+            # is the round's; None without it), and a step where nobody drafts skips it.
+            def keep(rejected: np.ndarray) -> None:
+                self._keep_first_pass_inputs(input_batch, last_hidden_states,
+                                             aux_hidden_states, num_sampled, last_sampled,
+                                             next_prefill_tokens, rejected)
+
+            plan, skipped = self.plan_or_skip_first_pass(
+                input_batch, k, req_ids, num_rejected, batch, keep)
+            if skipped:
+                return self._no_drafts(input_batch, num_reqs)
         self._catch_first_pass = True
         try:
             super().propose(*args, num_speculative_tokens=1, **kwargs)
         finally:
             self._catch_first_pass = False
+        if plan is not None and plan.skip_first_pass:
+            # Nobody drafts and the first pass ran (skips_idle_first_pass off): the plan
+            # already ended the round.
+            self._first_lm_in = None
+            return self._no_drafts(input_batch, num_reqs)
         assert self._first_lm_in is not None
         lm_in, self._first_lm_in = self._first_lm_in, None
         # P: the first pass's position of each request's last row (the next pass feeds
@@ -146,13 +187,9 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
         sample_positions = self.input_buffers.positions[:num_reqs].to(torch.int64).clone()
         fed_back = self.hidden_states[:num_reqs].clone()
         start = RoundStart(
-            k, num_reqs, torch.cat([lm_in, fed_back], dim=-1), sample_positions,
-            V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs],
-                    self.block_tables.block_tables[self._draft_group()].gpu[
-                        input_batch.idx_mapping[:num_reqs]]),
-            int(input_batch.num_tokens), sample_positions + 1,
-            tuple(input_batch.req_ids[:num_reqs]), num_rejected[:num_reqs],
-            int(input_batch.num_tokens),
+            k, num_reqs, torch.cat([lm_in, fed_back], dim=-1), sample_positions, batch,
+            int(input_batch.num_tokens), sample_positions + 1, req_ids,
+            num_rejected[:num_reqs], int(input_batch.num_tokens), plan,
         )
         drafts = self.draft_round(
             start, self.sampling_view(input_batch, temperature, seeds, sample_positions))
@@ -164,6 +201,35 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
         self._draft_lengths = {req_id: len(ids)
                                for req_id, ids in zip(input_batch.req_ids, drafts)}
         return buf
+
+
+    def kv_holes_class(self) -> type[DraftKVHoles]:
+        return HeadKVHoles
+
+    def _keep_first_pass_inputs(self, input_batch: Any, last_hidden_states: torch.Tensor,
+                                aux_hidden_states: Any, num_sampled: torch.Tensor,
+                                last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
+                                rejected: np.ndarray) -> None:
+        """On a skipped step: what vLLM's V2 first pass would have read
+        (``prepare_prefill_inputs``), kept by the hole record at each request's accepted
+        rows: V2 pads every query with its rejected drafts, so the last accepted row is the
+        query's last minus the rejected ones; the token fed there is the one just sampled
+        (a request still in its prefill: the next prompt token); the hidden states are
+        the target's final ones, or EAGLE-3's auxiliary layers uncombined (the ``fc``
+        runs when a catch-up feeds them, as on V1)."""
+        num_reqs = input_batch.num_reqs
+        qsl = torch.from_numpy(input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64))
+        last = qsl[1:] - 1 - torch.from_numpy(rejected)
+        idx = input_batch.idx_mapping[:num_reqs]
+        # Read as vLLM's kernel reads them, flat at the request-state row: its buffers are
+        # [max_num_reqs, 1] and [lookahead, max_num_reqs] (the first row: the next token).
+        next_tokens = torch.where(num_sampled[:num_reqs] > 0, last_sampled.reshape(-1)[idx],
+                                  next_prefill_tokens.reshape(-1)[idx])
+        self.kv_holes().keep_rows(
+            input_batch.req_ids[:num_reqs], input_batch.input_ids[: input_batch.num_tokens],
+            next_tokens, list(aux_hidden_states) if aux_hidden_states else last_hidden_states,
+            qsl[:-1], last, input_batch.num_computed_tokens_np[:num_reqs],
+            self.runner.req_states.req_id_to_index)
 
 
 class _HeadTreeOverV2(EagleTreeRound, _ChainOverTargetDependentAR):

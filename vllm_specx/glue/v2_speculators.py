@@ -44,6 +44,7 @@ What differs from V1:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,29 +334,10 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
                         self.block_tables.block_tables[self._draft_group()].gpu[idx_mapping])
         plan = None
         if self.plans_before_first_pass and k > 0:
-            # The round's plan before its first pass, as V1's SpecxPasses.propose makes it
-            # (mtad's depth for the step: it plans nowhere else).
-            plan = self.plan_before_first_pass(k, req_ids, num_rejected[:num_reqs],
-                                               int(input_batch.num_tokens))
-            holes = self.kv_holes() if self.skips_idle_first_pass else None
-            # Without a plan (cost control off) and no hole left, there is nothing to do.
-            if holes is not None and (plan is not None or holes.start):
-                # As V1 (SpecxPasses.propose): a step where nobody drafts skips the first
-                # pass, and the draft KV it would have written is caught up before the
-                # next first pass that runs (DraftKVHoles, over V2LookaheadPasses).
-                first_pos = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
-                qsl = input_batch.query_start_loc_np
-                query_lens = (qsl[1:num_reqs + 1] - qsl[:num_reqs]).astype(np.int64)
-                tokens = V2CommittedTokens(self.runner.req_states.all_token_ids.gpu,
-                                           input_batch.idx_mapping_np[:num_reqs])
-                if plan is not None and plan.skip_first_pass:
-                    # Committed after this step (V1's num_tokens_no_spec): the verified
-                    # query tokens and the token just sampled.
-                    rejected = num_rejected[:num_reqs].to("cpu").numpy().astype(np.int64)
-                    holes.skip(self, batch, req_ids, first_pos, query_lens,
-                               first_pos + query_lens - rejected + 1, tokens)
-                    return self._no_drafts(input_batch, num_reqs)
-                holes.catch_up(self, batch, req_ids, first_pos, tokens)
+            plan, skipped = self.plan_or_skip_first_pass(
+                input_batch, k, req_ids, num_rejected, batch)
+            if skipped:
+                return self._no_drafts(input_batch, num_reqs)
         self._catch_first_pass = True
         try:
             self._prefill(input_batch, num_rejected, last_sampled, num_reqs, False,
@@ -400,6 +382,48 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
                           self.max_num_reqs)
         return buf
 
+    def plan_or_skip_first_pass(
+        self, input_batch: Any, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor,
+        batch: V2Batch, keep: Callable[[np.ndarray], None] | None = None,
+    ) -> tuple[Any, bool]:
+        """Before V2's first pass, as V1's ``SpecxPasses.propose``: the round's plan
+        (``plan_before_first_pass``; mtad's depth for the step too: it plans nowhere
+        else), and, for a speculator that ``skips_idle_first_pass``, either the skip of
+        that pass (a plan that drafts nothing for anyone: returns ``(plan, True)``; the
+        caller hands the scheduler zero-length drafts) or the catch-up of the KV the
+        skipped passes did not write, before the pass runs (the record is
+        :meth:`kv_holes`, its passes :class:`V2LookaheadPasses`).
+
+        A hole record that refuses a skip (``may_skip``: an EAGLE/MTP head's hole past
+        its bound) gets no plan here: the round plans after the first pass. ``keep``:
+        called with each request's rejected drafts ([R], host) on a skipped step, before
+        the record's ``skip``: what an EAGLE/MTP head keeps of the pass's inputs."""
+        num_reqs = len(req_ids)
+        holes = self.kv_holes() if self.skips_idle_first_pass else None
+        first_pos = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
+        qsl = input_batch.query_start_loc_np
+        query_lens = (qsl[1:num_reqs + 1] - qsl[:num_reqs]).astype(np.int64)
+        plan = None
+        if holes is None or holes.may_skip(self, req_ids, first_pos, query_lens):
+            plan = self.plan_before_first_pass(k, req_ids, num_rejected[:num_reqs],
+                                               int(input_batch.num_tokens))
+        # Without a plan (cost control off) and no hole left, there is nothing to do.
+        if holes is None or (plan is None and not holes.start):
+            return plan, False
+        tokens = V2CommittedTokens(self.runner.req_states.all_token_ids.gpu,
+                                   input_batch.idx_mapping_np[:num_reqs])
+        if plan is not None and plan.skip_first_pass:
+            rejected = num_rejected[:num_reqs].to("cpu").numpy().astype(np.int64)
+            if keep is not None:
+                keep(rejected)
+            # Committed after this step (V1's num_tokens_no_spec): the verified query
+            # tokens and the token just sampled.
+            holes.skip(self, batch, req_ids, first_pos, query_lens,
+                       first_pos + query_lens - rejected + 1, tokens)
+            return plan, True
+        holes.catch_up(self, batch, req_ids, first_pos, tokens)
+        return plan, False
+
     def _no_drafts(self, input_batch: Any, num_reqs: int) -> torch.Tensor:
         """A step where nobody drafts: zero-length drafts for every request (the scheduler
         gets none through ``take_draft_lengths``), no draft probabilities."""
@@ -418,9 +442,14 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         ``SpecxPasses.kv_holes``): the draft's KV block size and vLLM's prefix caching."""
         holes = getattr(self, "_kv_holes", None)
         if holes is None:
-            holes = self._kv_holes = DraftKVHoles(
+            holes = self._kv_holes = self.kv_holes_class()(
                 self.block_size, bool(self.vllm_config.cache_config.enable_prefix_caching))
         return holes
+
+    def kv_holes_class(self) -> type[DraftKVHoles]:
+        """A draft model's record (its first pass reads committed token ids only); an
+        EAGLE/MTP head's keeps that pass's inputs (``glue/v2_eagle.py``)."""
+        return DraftKVHoles
 
     @property
     def catch_up_pass_tokens(self) -> int:
