@@ -188,10 +188,13 @@ class BeamKVSlots:
         sample_positions: torch.Tensor,
         num_beams: int,
         k: int,
+        copy_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[n, B, W] block-table rows for beam slots of ``n`` requests (their own rows
         ``block_table`` [n, W], their positions P ``sample_positions`` [n]) and copy each
-        request's partial block into its slots' first scratch block.
+        request's partial block into its slots' first scratch block (``copy_rows``, bool
+        [n]: only those requests'; a request that runs no lookahead pass, such as one that
+        cost control stops at depth 0 or 1, reads no scratch slot).
 
         The caller guarantees the region holds ``n * (B - 1) * span`` blocks.
         """
@@ -217,6 +220,8 @@ class BeamKVSlots:
         # (positions below P+1) unless P+1 starts it.
         partial = ((sample_positions.to(dev, torch.int64) + 1) % self.block_size != 0)
         partial &= first < width
+        if copy_rows is not None:
+            partial &= copy_rows.to(dev, torch.bool)
         src = block_table.gather(1, first.clamp(max=width - 1).view(n, 1)).to(torch.int64)
         partial = partial.view(n, 1).expand(n, num_beams - 1)
         src = src.expand(n, num_beams - 1)[partial]

@@ -388,7 +388,8 @@ class MTADRound:
             forward = _SingleBeamPasses(self, cad, sample_positions, base_seq_lens, warp)
         elif group_size >= 1:
             forward = _BatchedBeamPasses(
-                self, cad, sample_positions, base_seq_lens, k, b, slots, group_size, warp
+                self, cad, sample_positions, base_seq_lens, k, b, slots, group_size, warp,
+                row_depth=row_depth,
             )
         else:
             forward = _SequentialBeamPasses(self, cad, sample_positions, base_seq_lens, k, warp)
@@ -600,6 +601,7 @@ class _BatchedBeamPasses:
         slots: BeamKVSlots | None,
         group_size: int,
         warp: Callable[[torch.Tensor], torch.Tensor],
+        row_depth: torch.Tensor | None = None,
     ) -> None:
         self.p = proposer
         self.lookahead = proposer.lookahead_passes(cad, sample_positions, base_seq_lens)
@@ -612,12 +614,16 @@ class _BatchedBeamPasses:
         n = cad.batch_size()
         self.num_reqs = n
         self.groups = [(lo, min(lo + group_size, n)) for lo in range(0, n, group_size)]
+        # Requests that run lookahead passes (cost control's depths: deeper than 1); only
+        # they need their partial block copied into their beams' scratch slots.
+        self.copy_rows = None if row_depth is None else row_depth.to("cpu") > 1
         self.tables: torch.Tensor | None = None
         if len(self.groups) == 1 and num_beams > 1 and k > 1 and slots is not None:
             # All beams fit: one copy-on-write for the round, slots hold their tails
             # from depth to depth.
             self.tables = slots.beam_block_tables(
-                cad.block_table_tensor[:n], sample_positions, num_beams, k
+                cad.block_table_tensor[:n], sample_positions, num_beams, k,
+                copy_rows=self.copy_rows,
             )
         self.held = torch.zeros(n, num_beams, max(k - 1, 1), dtype=torch.int64)
         self.held_len = torch.zeros(n, num_beams, dtype=torch.int64)
@@ -647,18 +653,18 @@ class _BatchedBeamPasses:
         hidden_parts: list[torch.Tensor] = []
         count = 0
         for lo, hi in self.groups:
+            sel = live[lo:hi].nonzero()  # [m, 2] (request - lo, beam), row-major
+            if sel.numel() == 0:
+                continue  # nothing of this group to feed (past their depths): no copies
             tables = self.tables
             if tables is None and b > 1 and self.slots is not None:
                 tables = self.slots.beam_block_tables(
                     self.cad.block_table_tensor[lo:hi], self.sample_positions[lo:hi], b,
-                    self.k,
+                    self.k, copy_rows=live[lo:hi].any(dim=1),
                 )
                 offset = lo
             else:
                 offset = 0
-            sel = live[lo:hi].nonzero()  # [m, 2] (request - lo, beam), row-major
-            if sel.numel() == 0:
-                continue
             req = sel[:, 0] + lo
             beam = sel[:, 1]
             beam_slot = slot[req, beam]
