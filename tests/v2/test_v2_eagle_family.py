@@ -188,10 +188,12 @@ def test_specx_sampler_on_v2_samples_the_target_distribution(mtp, v2_host):
     assert [tuple(t) for t in again] == samples[:16]
 
 
-def run_idle(llm: Any, prompts: list[list[int]], k: int) -> dict[str, Any]:
+def run_idle(llm: Any, prompts: list[list[int]], k: int,
+             max_hole: int | None = None) -> dict[str, Any]:
     """Runs in the V2 host: tests/idle_steps.py's two runs of ``prompts`` (greedy,
     MAX_TOKENS) under the same scripted plans, skipping the head's first pass on all-zero
-    steps and with every first pass run, each from an empty prefix cache."""
+    steps and with every first pass run, each from an empty prefix cache. ``max_hole``:
+    the hole record's bound on a request's kept positions."""
     from idle_steps import run_idle_steps
     from vllm import SamplingParams
 
@@ -199,7 +201,7 @@ def run_idle(llm: Any, prompts: list[list[int]], k: int) -> dict[str, Any]:
 
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True)
     return run_idle_steps(llm, runner_of(llm).speculator, k, prompts, params,
-                          fresh_prefix_cache=True)
+                          max_hole=max_hole, fresh_prefix_cache=True)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +258,7 @@ def mtp_adaptive(mtp, v2_engine, v2_host) -> dict[str, Any]:
     sampling = [GREEDY, GREEDY, dict(GREEDY, stop_token_ids=[stop])]
     out, c = _delta(v2_host, "specx_mtp_adaptive",
                     lambda: v2_host.generate("specx_mtp_adaptive", PROMPTS, sampling))
-    idle = v2_host.call("specx_mtp_adaptive", f"{__name__}:run_idle", PROMPTS, ADAPTIVE_K)
+    idle = v2_host.call("specx_mtp_adaptive", f"{__name__}:run_idle", PROMPTS, ADAPTIVE_K, 3)
     v2_host.stop("specx_mtp_adaptive")
     return {"description": d, "out": out, "counters": c, "stop": stop, "idle": idle}
 
@@ -278,5 +280,9 @@ def test_specx_mtp_adaptive_on_v2_greedy_ragged(mtp, mtp_adaptive):
 def test_steps_where_nobody_drafts_skip_the_mtp_first_pass_on_v2(mtp, mtp_adaptive):
     """specx_mtp on V2 (MLA target, no prefix caching) as the EAGLE-3 test above: the
     skipped first passes keep the target's final hidden states, the catch-ups feed them
-    back, and the drafts and the greedy output are those with every first pass run."""
-    check_idle_steps(mtp_adaptive["idle"], mtp["ref"]["ragged"])
+    back, and the drafts and the greedy output are those with every first pass run. With
+    holes bounded at 3 positions (HeadKVHoles.max_hole; 64 by default), all-zero steps
+    that would pass the bound run their first pass (planned after it), catch-up first."""
+    idle = mtp_adaptive["idle"]
+    check_idle_steps(idle, mtp["ref"]["ragged"])
+    assert idle["holes"]["refused_skips"] > 0
