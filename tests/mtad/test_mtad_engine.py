@@ -177,16 +177,8 @@ def test_cost_control_depth_zero_steps_are_plain_decoding(pair, engine):
             assert seqs[rid] == prompt + greedy_generate(target, prompt, sp.max_tokens), rid
         assert control.stats.all_zero_steps >= 2
         assert drafter.kv_holes().skipped_first_passes - skipped_before >= 2
-        records = list(engine.records)
-        depths = {len(r.tokens) for r in records}
+        depths, checked = _check_greedy_rounds_per_depth(engine, seqs, ids, prompts, draft)
         assert K in depths and min(depths) < K, depths
-        warpings = {rid: Warping(temperature=0.0) for rid in ids}
-        lens = {rid: len(p) for rid, p in zip(ids, prompts)}
-        checked = 0
-        for depth in sorted(depths):
-            engine.records = [r for r in records if len(r.tokens) == depth]
-            checked += check_rounds_against_reference(
-                engine, seqs, lens, draft, warpings, depth)[0]
         assert checked >= 5
     finally:
         drafter.settings = {**drafter.settings, "cost_control": False}
@@ -300,9 +292,18 @@ def test_cost_control_per_request_depths(pair, engine, num_beams, batched):
             assert sorted(set(by_depth.get(j, []))) == want, (lengths, fed)
         assert all(j < max(lengths) for j in by_depth), (lengths, fed)
     assert mixed >= 3, passes.rounds
+    depths, checked = _check_greedy_rounds_per_depth(engine, seqs, ids, prompts, draft)
+    assert depths == {1, 2, K}, depths
+    assert checked >= 10
+    hist = control.stats.depths
+    assert set(hist) == {0, 1, 2, K} and control.stats.partial_zero_steps >= 3, hist
+
+
+def _check_greedy_rounds_per_depth(engine, seqs, ids, prompts, draft):
+    """Every recorded greedy round against the reference search at its own depth: (the
+    depths recorded, the rounds checked)."""
     records = list(engine.records)
     depths = {len(r.tokens) for r in records}
-    assert depths == {1, 2, K}, depths
     warpings = {rid: Warping(temperature=0.0) for rid in ids}
     lens = {rid: len(p) for rid, p in zip(ids, prompts)}
     checked = 0
@@ -310,9 +311,7 @@ def test_cost_control_per_request_depths(pair, engine, num_beams, batched):
         engine.records = [r for r in records if len(r.tokens) == depth]
         checked += check_rounds_against_reference(
             engine, seqs, lens, draft, warpings, depth)[0]
-    assert checked >= 10
-    hist = control.stats.depths
-    assert set(hist) == {0, 1, 2, K} and control.stats.partial_zero_steps >= 3, hist
+    return depths, checked
 
 
 def _control_on(drafter, rates=None):
