@@ -227,3 +227,32 @@ def test_fit_prices_a_verified_token_without_blowing_up_nearly_collinear_terms()
         assert min(target.values()) >= 0
         sums.append(target["per_draft_token"] + target["any_verified"])
     assert np.mean(sums) == pytest.approx(2.5, abs=0.6)
+
+
+def test_catch_ups_are_not_counted_as_the_steps_cost():
+    # Every other round and every other interval also ran a 30 ms catch-up of skipped
+    # first passes (MeasuredCosts.exclude): the fit must still be TRUE's step, since that
+    # work is paid whether or not the step drafts.
+    clock = Clock()
+    model = MeasuredCosts(clock)
+    model.round_ends(False, 0, 0)
+    rng = np.random.default_rng(1)
+    for i in range(200):
+        b = int(rng.integers(1, 9))
+        s = int(rng.integers(1, 4 * b + 1)) if rng.random() < 0.5 else 0
+        clock.now += float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
+        if i % 2:
+            clock.now += 0.030
+            model.exclude(0.030)
+        model.round_begins(b, s)
+        passes = int(rng.integers(0, 4))
+        rows = passes * int(rng.integers(1, b + 1))
+        clock.now += TRUE.draft_round + TRUE.draft_pass * passes + TRUE.draft_row * rows
+        if i % 2 == 0:
+            clock.now += 0.030
+            model.exclude(0.030)
+        model.round_ends(True, passes, rows)
+    got = model.step_costs()
+    assert got.target_base == pytest.approx(TRUE.target_base, rel=0.05)
+    assert got.draft_pass == pytest.approx(TRUE.draft_pass, rel=0.05)
+    assert got.draft_round == pytest.approx(TRUE.draft_round + ANY_VERIFIED, rel=0.1)

@@ -730,6 +730,10 @@ class DraftKVHoles:
         """Feed batch row ``i`` its committed tokens at ``todo[i] = [start, end)``, through
         the drafter's own lookahead passes (V1: :class:`LookaheadPasses` over ``cad``;
         Model Runner V2: ``glue/v2_speculators.V2LookaheadPasses`` over its batch)."""
+        # The cost model does not count catch-ups as this step's cost (MeasuredCosts.exclude).
+        control = getattr(proposer, "_cost_control", None)
+        clock = control.costs.clock if control is not None else None
+        started = clock() if clock is not None and todo else None
         tokens = getattr(proposer, "catch_up_pass_tokens", None) or proposer.input_ids.shape[0]
         budget = max(int(self.pass_tokens or tokens), 1)
         device = proposer.device
@@ -765,6 +769,8 @@ class DraftKVHoles:
                     del todo[i]
                 else:
                     todo[i][0] = b
+        if started is not None:
+            control.costs.exclude(clock() - started)
 
     def fed_tokens(self, row: int, a: int, b: int, token_ids_cpu: np.ndarray) -> torch.Tensor:
         """The tokens a catch-up feeds batch row ``row`` at positions ``a .. b-1`` (int64):
