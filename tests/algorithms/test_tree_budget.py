@@ -160,11 +160,18 @@ def test_choose_tree_depth_matches_enumeration(seed: int) -> None:
 
 def test_step_costs_adapters_agree_with_the_chain_model() -> None:
     # A chain is a tree: its pruned step time must be StepCosts.step_time of that chain.
-    costs = StepCosts(target_base=1.0, target_per_request=0.1, target_per_token=0.05,
-                      draft_pass=0.2, draft_row=0.01, fixed=0.3, draft_round=0.04)
-    for lengths in ([3, 1, 0], [1, 0, 0], [0, 0, 0]):
-        target = step_costs_target(costs, len(lengths))
-        # Passes after the first: depth 1 .. max - 1, each over the requests still drafting.
-        rows = sum(sum(n > d for n in lengths) for d in range(1, max(lengths)))
-        paid = step_costs_paid(costs, any(lengths), max(max(lengths) - 1, 0), rows)
-        assert paid + target(sum(lengths)) == pytest.approx(costs.step_time(lengths))
+    for verify_fixed in (0.0, 0.03):
+        costs = StepCosts(target_base=1.0, target_per_request=0.1, target_per_token=0.05,
+                          draft_pass=0.2, draft_row=0.01, fixed=0.3, draft_round=0.04,
+                          verify_fixed=verify_fixed)
+        for lengths in ([3, 1, 0], [1, 0, 0], [0, 0, 0]):
+            target = step_costs_target(costs, len(lengths))
+            # Passes after the first: depth 1 .. max - 1, each over the requests still
+            # drafting.
+            rows = sum(sum(n > d for n in lengths) for d in range(1, max(lengths)))
+            paid = step_costs_paid(costs, any(lengths), max(max(lengths) - 1, 0), rows)
+            assert paid + target(sum(lengths)) == pytest.approx(costs.step_time(lengths))
+        # A drafted tree pruned to nothing does not pay the target's verification cost.
+        paid = step_costs_paid(costs, True, 0, 0)
+        assert paid + step_costs_target(costs, 3)(0) == pytest.approx(
+            costs.step_time([0, 0, 0]) + costs.draft_round - verify_fixed)

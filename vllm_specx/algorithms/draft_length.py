@@ -69,6 +69,9 @@ class StepCosts:
     not depend on the lengths (the drafter's first pass). ``draft_round``: paid when any
     request drafts (the first token's logits and draw; a step where nobody drafts skips
     them). A lookahead pass over ``n`` rows costs ``draft_pass + draft_row * n``.
+    ``verify_fixed``: the part of ``draft_round`` the target side pays for verifying any
+    draft at all (the verification path); a chain pays it exactly when somebody drafts,
+    but a drafted tree pruned to nothing does not (``tree_budget.step_costs_paid``).
     """
 
     target_base: float
@@ -78,6 +81,7 @@ class StepCosts:
     draft_row: float
     fixed: float = 0.0
     draft_round: float = 0.0
+    verify_fixed: float = 0.0
 
     def target(self, num_reqs: int, draft_tokens: np.ndarray | int) -> np.ndarray | float:
         return (self.target_base + self.target_per_request * num_reqs

@@ -101,15 +101,19 @@ def step_costs_target(costs: StepCosts, num_reqs: int) -> TargetCost:
 
     ``MeasuredCosts`` learns the target in query tokens (``B`` requests' own tokens plus
     ``S`` drafts), which is what a tree's nodes are too, so the same model sizes trees.
+    Verifying any node at all adds the target's fixed verification cost
+    (``verify_fixed``), which :func:`step_costs_paid` leaves out.
     """
-    return lambda s: float(costs.target(num_reqs, int(s)))
+    return lambda s: float(costs.target(num_reqs, int(s))
+                           + (costs.verify_fixed if s > 0 else 0.0))
 
 
 def step_costs_paid(costs: StepCosts, drafted: bool, passes: int, fed_rows: int) -> float:
     """What a tree step has paid before pruning: the first pass (``fixed``), the round's
     first draw (``draft_round``, when it drafted at all) and ``passes`` head passes over
-    ``fed_rows`` rows in all."""
-    return float(costs.fixed + (costs.draft_round if drafted else 0.0)
+    ``fed_rows`` rows in all; not the target's verification cost in it, which only a
+    step that keeps a node pays (:func:`step_costs_target`)."""
+    return float(costs.fixed + (costs.draft_round - costs.verify_fixed if drafted else 0.0)
                  + passes * costs.draft_pass + fed_rows * costs.draft_row)
 
 

@@ -281,7 +281,8 @@ class MeasuredCosts:
         # round's is: one "anyone drafts" term.
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
                          target_per_token=float(t[2]), draft_pass=float(r[1]),
-                         draft_row=float(r[2]), draft_round=float(r[0] + t[3]))
+                         draft_row=float(r[2]), draft_round=float(r[0] + t[3]),
+                         verify_fixed=float(t[3]))
 
     def describe(self) -> dict[str, Any]:
         c = self.step_costs()
