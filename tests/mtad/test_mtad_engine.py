@@ -359,16 +359,8 @@ def test_cost_control_from_the_config_varies_the_depth(pair, engine):
         for rid, prompt, sp in zip(ids, prompts, params):
             assert seqs[rid] == prompt + greedy_generate(target, prompt, sp.max_tokens), rid
         assert len(control.stats.depths) >= 2, control.stats.depths
-        records = list(engine.records)
-        drafted = {len(r.tokens) for r in records}
+        drafted, checked = _check_greedy_rounds_per_depth(engine, seqs, ids, prompts, draft)
         assert drafted, "no step drafted"
-        warpings = {rid: Warping(temperature=0.0) for rid in ids}
-        lens = {rid: len(p) for rid, p in zip(ids, prompts)}
-        checked = 0
-        for depth in sorted(drafted):
-            engine.records = [r for r in records if len(r.tokens) == depth]
-            checked += check_rounds_against_reference(
-                engine, seqs, lens, draft, warpings, depth)[0]
         assert checked >= 3
         assert drafter.specx_stats()["cost_control"]["depth_histogram"]
         sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=7 + i, ignore_eos=True)
