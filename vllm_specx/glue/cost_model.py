@@ -16,14 +16,16 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   ``SpecxPasses.propose`` on V1 and ``plan_or_skip_first_pass`` in
   ``glue/v2_speculators.py`` on V2): a step where nobody drafts skips the pass, so the
   pass belongs to the round's ``any draft`` term. Fitted as
-  ``a + b * B + c * S`` over decode steps (steps with prefill tokens are skipped, and an
+  ``a + b * B + c * S + d * [S > 0]`` over decode steps (``d``: verifying anything at all,
+  priced with the round's ``any draft``; steps with prefill tokens are skipped, and an
   interval far above the model, such as the idle gap between two ``generate`` calls, is
-  dropped);
+  dropped; catch-ups of skipped first passes are left out, :meth:`MeasuredCosts.exclude`);
 * the **round**: its time on the same clock, fitted as ``round * [anyone drafts] + pass *
   passes + row * rows`` (passes: lookahead passes; rows: their request rows).
 
-Both are recursive least squares with forgetting (about the last 100 steps) over a prior
-(pseudo-observations with a small constant weight). The prior is relative (a verification
+Both are least squares with forgetting (about the last 100 steps), solved with every cost
+non-negative (``_nonnegative_least_squares``), over a prior (pseudo-observations next to
+the origin with a small constant weight). The prior is relative (a verification
 row costs 5% of a target step, a draft row 1%, ...) and takes its scale from the first
 measured step, so the first steps are sane on any device; only cost ratios decide lengths.
 On CPU the round's clocks are exact; on a GPU the round synchronises with the host when it
@@ -112,7 +114,7 @@ def cost_control_stats(proposer: Any, stats: dict[str, Any]) -> dict[str, Any]:
     return stats
 
 
-def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin_{theta >= 0} theta' a theta - 2 b' theta`` (least squares from its normal
     equations, costs not negative), exact: the minimum lies where the free coefficients
     solve their own equations with the rest at 0, so every subset of free coefficients is
@@ -307,8 +309,8 @@ def probe_could_pay(choice: LengthChoice, costs: StepCosts) -> bool:
     :meth:`AcceptanceHistory.probes`) could pay for itself: it would raise the step's
     expected rate if it were certainly accepted. A token accepted for sure adds one token
     to the step's ``E`` and costs its verification row, plus the round's "anyone drafts"
-    cost (the drafter's first pass, the catch-up of skipped passes, the verification
-    path) when nobody else drafts. When even that does not pay (large batches on a CPU:
+    cost (the drafter's first pass and draws, the verification path) when nobody else
+    drafts. When even that does not pay (large batches on a CPU:
     on the real pair at batch 32 a probe step cost about 0.9 of a step for the 0.38
     token its probe earned), probing only costs, and its answer could not change the
     plan; the request stays due and probes once it could pay (the batch shrinks, or
