@@ -340,9 +340,8 @@ class MTADRound:
             # Requests planned at depth 0: no logits (their rows stay 0: any finite
             # values, the search gives them no live beam).
             drafting = (row_depth > 0).nonzero().squeeze(1).to(start.out.device)
-            some = self.model.compute_logits(start.out[drafting])
-            logits = some.new_zeros(num_reqs, some.shape[1])
-            logits[drafting] = some
+            logits = _into_rows(self.model.compute_logits(start.out[drafting]), drafting,
+                                num_reqs)
         else:
             logits = self.model.compute_logits(start.out)
         if k == 0:
@@ -705,14 +704,23 @@ class _BatchedBeamPasses:
             # Dead beams' rows (and requests past their depth): zeros, any finite values
             # (their -inf scores keep them out), and no LM-head rows spent on them.
             rows = fed.nonzero().squeeze(1)
+            # No fed row at all for this beam index: one LM-head row for the vocabulary's
+            # width, none of it kept.
             some = model.compute_logits(hidden_all[idx[rows].to(dev)] if rows.numel()
                                         else hidden_all[:1])
-            picked = some.new_zeros(idx.shape[0], some.shape[1])
-            if rows.numel():
-                picked[rows.to(dev)] = some
-            return warp(picked)
+            return warp(_into_rows(some[: rows.numel()], rows, idx.shape[0]))
 
         return beam_logprobs
+
+
+def _into_rows(values: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[num_rows, V]``: ``values`` at ``rows``, zeros elsewhere. The rows left at zero
+    are beams that were not fed (dead, or their request is past its depth): any finite
+    values do, their -inf scores keep them out of the search, and no LM-head row is spent
+    on them."""
+    out = values.new_zeros(num_rows, values.shape[1])
+    out[rows.to(out.device)] = values
+    return out
 
 
 class _SingleBeamPasses:
@@ -755,8 +763,7 @@ class _SingleBeamPasses:
         self.request_passes += n
         logits = self.p.model.compute_logits(hidden)
         if not every:
-            some, logits = logits, logits.new_zeros(self.num_reqs, logits.shape[1])
-            logits[rows.to(logits.device)] = some
+            logits = _into_rows(logits, rows, self.num_reqs)
         logprobs = self.warp(logits)
         return lambda beam: logprobs
 
@@ -798,8 +805,7 @@ class _SequentialBeamPasses:
             self.passes += n_pass
             self.request_passes += self.num_reqs if rows is None else int(rows.numel())
             if rows is not None:
-                some, logits = logits, logits.new_zeros(self.num_reqs, logits.shape[1])
-                logits[rows.to(logits.device)] = some
+                logits = _into_rows(logits, rows, self.num_reqs)
             return self.warp(logits)
 
         return beam_logprobs

@@ -175,11 +175,6 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
             super().propose(*args, num_speculative_tokens=1, **kwargs)
         finally:
             self._catch_first_pass = False
-        if plan is not None and plan.skip_first_pass:
-            # Nobody drafts and the first pass ran (skips_idle_first_pass off): the plan
-            # already ended the round.
-            self._first_lm_in = None
-            return self._no_drafts(input_batch, num_reqs)
         assert self._first_lm_in is not None
         lm_in, self._first_lm_in = self._first_lm_in, None
         # P: the first pass's position of each request's last row (the next pass feeds
@@ -201,7 +196,6 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
         self._draft_lengths = {req_id: len(ids)
                                for req_id, ids in zip(input_batch.req_ids, drafts)}
         return buf
-
 
     def kv_holes_class(self) -> type[DraftKVHoles]:
         return HeadKVHoles
