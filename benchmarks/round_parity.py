@@ -59,8 +59,18 @@ class _ProposeClock:
 
     def __init__(self, llm: Any) -> None:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        drafter = runner.drafter
+        # V1 keeps the drafter as ``drafter``; Model Runner V2 (vLLM's default on a GPU) as
+        # ``speculator``, whose entry point is ``propose`` too.
+        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
         self.cpu = 0.0
+        self.sampler_cpu = 0.0
+        if drafter is not None:
+            self._wrap_propose(drafter)
+        sampler = getattr(runner, "rejection_sampler", None)
+        if sampler is not None:
+            self._wrap_sampler(sampler)
+
+    def _wrap_propose(self, drafter: Any) -> None:
         original = drafter.propose
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -71,9 +81,9 @@ class _ProposeClock:
                 self.cpu += time.process_time() - t0
 
         drafter.propose = timed
-        # The rejection sampler's forward (vLLM's or the specx one), same clock.
-        self.sampler_cpu = 0.0
-        sampler = runner.rejection_sampler
+
+    def _wrap_sampler(self, sampler: Any) -> None:
+        """The rejection sampler's forward (vLLM's or the specx one), same clock."""
         sampler_forward = sampler.forward
 
         def timed_sampler(*args: Any, **kwargs: Any) -> Any:
@@ -121,6 +131,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", type=str, default=None, help="comma-separated row indices")
+    ap.add_argument("--engine-args", type=json.loads, default={},
+                    help="JSON of extra vllm.LLM keyword arguments for every engine (on a GPU, "
+                         "e.g. '{\"gpu_memory_utilization\": 0.2, \"dtype\": \"bfloat16\"}')")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -146,6 +159,7 @@ def main() -> int:
         target, draft = str(target_p), str(draft_p)
         prompts = [p["prompt"] if isinstance(p, dict) else p
                    for p in heldout_prompts(args.prompts)]
+    overrides.update(args.engine_args)
     configs = _configs(draft, args.k, eagle3)
     if args.only:
         configs = [configs[int(i)] for i in args.only.split(",")]
@@ -189,7 +203,8 @@ def main() -> int:
         })
     for _, llm, _ in engines:
         shutdown_llm(llm)
-    print(json.dumps({"pair": args.pair, "dtype": default_dtype(), "k": args.k,
+    print(json.dumps({"pair": args.pair, "dtype": overrides.get("dtype", default_dtype()),
+                      "engine_args": overrides, "k": args.k,
                       "prompts": len(prompts), "max_tokens": args.max_tokens,
                       "repeats": args.repeats, "load": os.getloadavg(), "rows": result},
                      indent=1))

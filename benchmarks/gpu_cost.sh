@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Cost control and per-step parity on a CUDA GPU (issue 32), in one time-boxed run: the real pair
+# (SmolLM2-135M-Instruct, its shipped draft model and EAGLE-3 head), bfloat16, eager, vLLM's default
+# model runner (V2 on a GPU) unless RUNNER=v1, the held-out prompts, --ignore-eos, T = 0. Stages, most
+# wanted first; a stage starts only if its minimum fits in what is left of BUDGET_S:
+#   bench_b1  `vllm-specx bench --batch-sizes 1`: no speculation (before and after), vLLM's eagle3 K=3,
+#             specx_eagle3 "adaptive" and adaptive, each with cost control on (their default) and off
+#   parity_e3 benchmarks/round_parity.py --eagle3 -k 3: vLLM's eagle3 against specx_eagle3 at equal
+#             drafts, interleaved repeats in one process (wall ms per decode step)
+#   bench_b8  as bench_b1 at batch 8
+#   parity_dm benchmarks/round_parity.py -k 3: draft_model against adaptive and mtad (B = 1) at equal
+#             drafts
+# Every stage's log and report land in OUT_DIR; at the end they are packed into OUT_DIR/gpu_cost.tgz and
+# each report's markdown table is printed (PACK_TO names the archive). docs/benchmarks/gpu.md has the
+# numbers it gave.
+# Usage: bash benchmarks/gpu_cost.sh [OUT_DIR]     (default: bench-out/gpu_cost)
+# Env:   PACK_TO (OUT_DIR/gpu_cost.tgz), BUDGET_S (540), RUNNER (v2 | v1), NUM_PROMPTS (8), MAX_TOKENS (64),
+#        GPU_MEM (0.2),
+#        EAGER ("true"; "false" lets vLLM capture CUDA graphs where a config allows)
+set -uo pipefail
+OUT="$(realpath -m "${1:-bench-out/gpu_cost}")"
+mkdir -p "$OUT"
+PACK_TO="$(realpath -m "${PACK_TO:-$OUT/gpu_cost.tgz}")"
+if [ "${RUNNER:-v2}" = v1 ]; then export VLLM_USE_V2_MODEL_RUNNER=0; fi
+BUDGET=${BUDGET_S:-540}
+T0=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+# stage NAME MIN_SECONDS COMMAND...: run COMMAND (output to OUT/NAME.log) if MIN_SECONDS fit, cut at the
+# budget's end.
+stage() {
+  local name=$1 need=$2 l rc
+  shift 2
+  l=$(left)
+  if [ "$l" -lt "$need" ]; then
+    echo "== $name skipped: ${l}s left, needs ${need}s"
+    return 0
+  fi
+  echo "== $name start $(date -u +%H:%M:%S) (${l}s left)"
+  timeout -k 5 "$l" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name exit $rc end $(date -u +%H:%M:%S)"
+  tail -n 12 "$OUT/$name.log"
+  pack
+}
+
+# Everything so far into one archive after every stage, so a run cut short still leaves its results
+# (the GPU machine hands back few files: PACK_TO=$OUT/gpu_cost.tgz there).
+pack() {
+  tar -C "$OUT" -czf "$PACK_TO.tmp" --exclude '*.tgz*' . && mv "$PACK_TO.tmp" "$PACK_TO"
+}
+
+HEAD="$(realpath vllm_specx/models/smollm2_eagle3)"
+EA="{\"dtype\": \"bfloat16\", \"enforce_eager\": ${EAGER:-true}, \"gpu_memory_utilization\": ${GPU_MEM:-0.2}}"
+CONFIGS=(
+  --config "{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": 3, \"name\": \"eagle3 K=3\"}"
+  --config "{\"method\": \"specx_eagle3\", \"model\": \"$HEAD\", \"adaptive\": true, \"name\": \"specx_eagle3 adaptive\"}"
+  --config "{\"method\": \"adaptive\", \"name\": \"adaptive\"}"
+)
+# (timeout runs programs, not shell functions: the commands are arrays)
+BENCH=(python3 -m vllm_specx.cli bench --pair real --temperature 0 --ignore-eos --no-plots
+  --num-prompts "${NUM_PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-64}" --engine-args "$EA"
+  -o "$OUT/bench.json" "${CONFIGS[@]}")
+PARITY=(python3 benchmarks/round_parity.py --pair real -k 3 --prompts 4
+  --max-tokens "${MAX_TOKENS:-64}" --repeats 3 --engine-args "$EA")
+
+echo "gpu_cost: $(date -u +%H:%M:%S) runner=${RUNNER:-v2} budget=${BUDGET}s engine args $EA"
+stage bench_b1 200 "${BENCH[@]}" --batch-sizes 1
+stage parity_e3 80 "${PARITY[@]}" --eagle3
+stage bench_b8 150 "${BENCH[@]}" --batch-sizes 8
+stage parity_dm 100 "${PARITY[@]}"
+for md in "$OUT"/bench_b*.md "$OUT"/bench_batch_sweep.md; do
+  [ -f "$md" ] && { echo "== $md"; cat "$md"; }
+done
+pack && echo "packed $PACK_TO"
+echo "gpu_cost: done $(date -u +%H:%M:%S)"
