@@ -66,8 +66,10 @@ class _ProposeClock:
         self.sampler_cpu = 0.0
         if drafter is not None:
             self._wrap_propose(drafter)
+        # V1's sampler is an nn.Module (``forward``); V2's is a plain callable, left untimed
+        # (its column then reads 0).
         sampler = getattr(runner, "rejection_sampler", None)
-        if sampler is not None:
+        if sampler is not None and hasattr(sampler, "forward"):
             self._wrap_sampler(sampler)
 
     def _wrap_propose(self, drafter: Any) -> None:

@@ -18,16 +18,21 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   pass belongs to the round's ``any draft`` term. Fitted as
   ``a + b * B + c * S + d * [S > 0]`` over decode steps (``d``: verifying anything at all,
   priced with the round's ``any draft``; steps with prefill tokens are skipped, and an
-  interval far above the model, such as the idle gap between two ``generate`` calls, is
-  dropped; catch-ups of skipped first passes are left out, :meth:`MeasuredCosts.exclude`);
+  interval far above the typical step, such as the idle gap between two ``generate``
+  calls or a step that compiled kernels, is dropped; catch-ups of skipped first passes
+  are left out, :meth:`MeasuredCosts.exclude`);
 * the **round**: its time on the same clock, fitted as ``round * [anyone drafts] + pass *
-  passes + row * rows`` (passes: lookahead passes; rows: their request rows).
+  passes + row * rows`` (passes: lookahead passes; rows: their request rows); a round far
+  above its prior cost is clipped.
 
 Both are least squares with forgetting (about the last 100 steps), solved with every cost
 non-negative (``_nonnegative_least_squares``), over a prior (pseudo-observations next to
 the origin with a small constant weight). The prior is relative (a verification
-row costs 5% of a target step, a draft row 1%, ...) and takes its scale from the first
-measured step, so the first steps are sane on any device; only cost ratios decide lengths.
+row costs 5% of a target step, a draft row 1%, ...) and takes its scale from the median
+of the recent steps (the first three held until their median can be taken), so the
+first steps are sane on any device and one odd step sets no price; only cost ratios
+decide lengths. "Far above" is judged against that median too, not against the fit,
+which the outlier would already have moved.
 On CPU the round's clocks are exact; on a GPU the round synchronises with the host when it
 returns its ragged drafts, so the round's end time is real.
 
@@ -40,6 +45,7 @@ No vLLM import: the round (``glue/chain_drafter.py``) calls :class:`CostControl`
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,8 +69,14 @@ PRIOR_TARGET = (1.0, 0.02, 0.05, 0.02)  # base, per request, per draft token, an
 PRIOR_ROUND = (0.05, 0.08, 0.01)  # round (anyone drafts), per lookahead pass, per row
 PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
 FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
-OUTLIER_FACTOR = 5.0  # an interval this many times the model's is not a step
-MIN_OBSERVATIONS_FOR_OUTLIERS = 8
+# Outliers, judged against the typical step rather than the fit (which an outlier moves):
+# a step's "unit" is its interval over its prior relative cost (x . PRIOR_TARGET), and
+# the prior's scale is the median unit of the last RECENT_UNITS steps.
+OUTLIER_FACTOR = 5.0  # an interval this many units above the median is not a step
+ROUND_OUTLIER_FACTOR = 10.0  # a round is clipped at this many times its prior cost
+RECENT_UNITS = 33
+FIRST_STEPS = 3  # held until their median can tell an outlier among them
+OUTLIERS_IN_A_ROW = 4  # this many in a row are not outliers: the steps changed
 
 
 def cost_control_applies(proposer: Any) -> bool:
@@ -198,10 +210,14 @@ class MeasuredCosts:
         self.clock = clock
         self.target = _Regression(4)  # [1, B, S, S > 0]
         self.round = _Regression(3)  # [anyone drafts, passes, rows]
-        self.scale: float | None = None  # seconds per relative unit, from the first step
+        self.scale: float | None = None  # seconds per relative unit: the median step's
+        self._units: deque[float] = deque(maxlen=RECENT_UNITS)
+        self._first: list[tuple[np.ndarray, float]] = []  # the first steps, held
+        self._outliers_in_a_row = 0
         self._round_end: float | None = None
         self._round_start: float | None = None
         self.skipped = 0  # intervals not used (prefill steps, outliers)
+        self.rounds_clipped = 0
         # Time inside the current interval or round spent catching up skipped first
         # passes (:meth:`exclude`), not counted in it.
         self._excluded = 0.0
@@ -212,9 +228,9 @@ class MeasuredCosts:
     def _prior_round(self) -> np.ndarray:
         return np.array(PRIOR_ROUND) * (self.scale or 1.0)
 
-    def _set_scale(self, num_reqs: int, draft_tokens: int, seconds: float) -> None:
-        relative = float(_target_features(num_reqs, draft_tokens) @ np.array(PRIOR_TARGET))
-        self.scale = max(seconds, 1e-9) / relative
+    def _set_scale(self, unit: float) -> None:
+        """The prior's scale: ``unit`` seconds per relative unit (the median step's)."""
+        self.scale = max(unit, 1e-12)
         pt, pr = self._prior_target(), self._prior_round()
         # Pseudo-points next to the origin: each says little about any slope. Points far
         # out (S = 32, 32 rows) weighed more on a slope than a hundred steps that all
@@ -229,6 +245,21 @@ class MeasuredCosts:
             np.array([1.0, 0, 0]), np.array([1.0, 1, 1]), np.array([1.0, 1, 2]),
             np.array([1.0, 2, 2]))])
 
+    def _rescale(self) -> None:
+        """Follow the median step: the prior's pseudo-points never decay, so a scale taken
+        from one step that was not typical priced what the data do not measure (drafting,
+        while nobody drafts) at that step's cost for good. On an H200 the first timed
+        interval took ~400 ms (kernels compiled on first use) where a step took 13 ms, and
+        the prior then said a verified token cost 400 ms: the plan drafted on 3 of 638
+        steps."""
+        median = float(np.median(self._units))
+        if self.scale is None or abs(median - self.scale) > 0.1 * self.scale:
+            self._set_scale(median)
+
+    def _observe_target(self, x: np.ndarray, seconds: float) -> None:
+        self._units.append(seconds / float(x @ np.array(PRIOR_TARGET)))
+        self.target.observe(x, seconds)
+
     def round_begins(self, num_reqs: int, draft_tokens: int | None) -> None:
         """A round starts: the interval since the last round ended was the target side of
         a step with ``num_reqs`` requests verifying ``draft_tokens`` drafts (None: the
@@ -241,14 +272,36 @@ class MeasuredCosts:
             self.skipped += last is not None
             return
         seconds = now - last - excluded
-        if self.scale is None:
-            self._set_scale(num_reqs, draft_tokens, seconds)
         x = _target_features(num_reqs, draft_tokens)
-        if self.target.count >= MIN_OBSERVATIONS_FOR_OUTLIERS and seconds > (
-                OUTLIER_FACTOR * self.target.predict(x, self._prior_target())):
-            self.skipped += 1
+        if self.scale is None:
+            # The first steps wait for each other: any one of them may be an outlier
+            # (kernels compiled on first use), which only their median can tell.
+            self._first.append((x, seconds))
+            if len(self._first) < FIRST_STEPS:
+                return
+            relative = np.array([float(f @ np.array(PRIOR_TARGET)) for f, _ in self._first])
+            units = np.array([y for _, y in self._first]) / relative
+            median = float(np.median(units))
+            for (f, y), u in zip(self._first, units):
+                if u > OUTLIER_FACTOR * median:
+                    self.skipped += 1
+                else:
+                    self._observe_target(f, y)
+            self._first = []
+            self._rescale()
             return
-        self.target.observe(x, seconds)
+        unit = seconds / float(x @ np.array(PRIOR_TARGET))
+        if unit > OUTLIER_FACTOR * self.scale:
+            # Not a step (an idle gap between two generate calls, a compile), unless they
+            # keep coming: then the steps themselves changed, and the median follows.
+            self._outliers_in_a_row += 1
+            if self._outliers_in_a_row < OUTLIERS_IN_A_ROW:
+                self.skipped += 1
+                return
+            self._units.clear()
+        self._outliers_in_a_row = 0
+        self._observe_target(x, seconds)
+        self._rescale()
 
     def forget_interval(self) -> None:
         """The next interval is not one step's target side (a step ran without a round)."""
@@ -271,8 +324,16 @@ class MeasuredCosts:
         now = self.clock()
         excluded, self._excluded = self._excluded, 0.0
         if self._round_start is not None and self.scale is not None:
-            self.round.observe(np.array([float(drafted), passes, rows]),
-                               now - self._round_start - excluded)
+            x = np.array([float(drafted), passes, rows])
+            seconds = now - self._round_start - excluded
+            # A round far above its prior cost (its kernels compiled on first use) is
+            # clipped, not dropped: a drafter that is dear every round stays dear.
+            cap = ROUND_OUTLIER_FACTOR * max(float(x @ self._prior_round()),
+                                             self.scale * PRIOR_ROUND[0])
+            if seconds > cap:
+                self.rounds_clipped += 1
+                seconds = cap
+            self.round.observe(x, seconds)
         self._round_start = None
         self._round_end = now
 
@@ -294,6 +355,7 @@ class MeasuredCosts:
             "target_steps_measured": self.target.count,
             "rounds_measured": self.round.count,
             "intervals_skipped": self.skipped,
+            "rounds_clipped": self.rounds_clipped,
             "target_ms": {"base": 1e3 * c.target_base, "per_request": 1e3 * c.target_per_request,
                           "per_draft_token": 1e3 * c.target_per_token,
                           "any_verified": 1e3 * any_verified},
@@ -373,8 +435,13 @@ class CostControl:
         self.costs.round_begins(num_reqs, draft_tokens)
         if req_ids is None or num_rejected is None:
             return
-        rejected = num_rejected.to("cpu").tolist()[:num_reqs]
         drafted = [self._drafted.get(rid, 0) for rid in req_ids]
+        if not any(drafted):
+            # Nothing was drafted, so nothing to learn, and no read of the rejected
+            # counts: on a GPU that read waits for the step that just ran, every step
+            # while nobody drafts, and vLLM's asynchronous scheduling loses its overlap.
+            return
+        rejected = num_rejected.to("cpu").tolist()[:num_reqs]
         if draft_tokens is not None and draft_tokens != sum(drafted):
             # The step did not verify last round's drafts as drafted (a step ran without
             # a round, the scheduler cut or dropped drafts, a request was still in

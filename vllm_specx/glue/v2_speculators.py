@@ -413,7 +413,13 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         tokens = V2CommittedTokens(self.runner.req_states.all_token_ids.gpu,
                                    input_batch.idx_mapping_np[:num_reqs])
         if plan is not None and plan.skip_first_pass:
-            rejected = num_rejected[:num_reqs].to("cpu").numpy().astype(np.int64)
+            # A request rejected drafts only if its query held some (more than its one new
+            # token). While nobody drafts no query does, and the device is not read: that
+            # read would wait for the step that just ran, every step.
+            if (query_lens > 1).any():
+                rejected = num_rejected[:num_reqs].to("cpu").numpy().astype(np.int64)
+            else:
+                rejected = np.zeros(num_reqs, dtype=np.int64)
             if keep is not None:
                 keep(rejected)
             # Committed after this step (V1's num_tokens_no_spec): the verified query
