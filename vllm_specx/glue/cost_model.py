@@ -138,6 +138,14 @@ def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     fits; clipping the negative one kept the other, and a verified token was priced at
     54 ms on a 75 ms step (the plan then drafted on 4% of steps)."""
     dims = a.shape[0]
+    # The unconstrained minimum, where it is non-negative, is the answer: one solve, the
+    # common case (the fit runs after every step; the subset search below cost 0.3 ms).
+    try:
+        full = np.linalg.solve(a, b)
+    except np.linalg.LinAlgError:
+        full = None
+    if full is not None and (full >= 0).all():
+        return full
     best, best_value = np.zeros(dims), 0.0  # all zero: the objective is 0
     for mask in range(1, 1 << dims):
         free = np.array([bool(mask >> i & 1) for i in range(dims)])
