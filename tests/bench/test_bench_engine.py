@@ -137,6 +137,8 @@ def test_the_verdict_names_the_cpu_class_and_dtype(bench_run):
     assert report["platform"]["cpu_class"].split(" ")[0] in CPU_CLASSES
     verdict_line = out.with_name("report.md").read_text().splitlines()[0]
     assert f"measured on {describe(dtype)}" in verdict_line
+    # The batch the numbers are for: the engine's max_num_seqs without --batch-sizes.
+    assert f"batch up to {report['engine']['max_num_seqs']} (max_num_seqs)" in verdict_line
 
 
 def test_top_level_provenance(bench_run):

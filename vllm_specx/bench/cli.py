@@ -100,8 +100,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--engine-args", type=str, default=None, metavar="JSON",
                    help="extra vllm.LLM keyword arguments for every engine, e.g. "
                    "'{\"enforce_eager\": false, \"max_model_len\": 2048}' (defaults: "
-                   "vllm_specx.engine.CPU_ENGINE_DEFAULTS; dtype bfloat16 on a CPU with "
-                   "native bfloat16, else float32, or $VLLM_SPECX_CPU_DTYPE)")
+                   "vllm_specx.engine.CPU_ENGINE_DEFAULTS, among them max_num_seqs 8: "
+                   "the batch, so '{\"max_num_seqs\": 1}' for batch 1; dtype bfloat16 on "
+                   "a CPU with native bfloat16, else float32, or $VLLM_SPECX_CPU_DTYPE)")
     p.add_argument("--batch-sizes", type=str, default=None, metavar="B1,B2,...",
                    help="sweep: the benchmark once per batch size (max_num_seqs = B, at "
                    "least B prompts: the prompt set repeated), every configuration under "

@@ -120,16 +120,21 @@ def verdict(report: dict[str, Any]) -> str:
 
 
 def _measured_on(report: dict[str, Any]) -> str:
-    """"; measured on <CPU class, dtype>; baseline ... (spread ...)" for the verdict: a
-    speed-up means little without the machine class and how much no speculation itself
-    moved between its runs before and after the configurations."""
+    """"; measured on <CPU class, dtype>; batch up to N; baseline ... (spread ...)" for
+    the verdict: a speed-up means little without the machine class, the batch size
+    (speculation that pays at batch 1 loses at batch 8: without ``--batch-sizes`` the
+    batch is the engine's ``max_num_seqs``, 8 by default, not 1) and how much no
+    speculation itself moved between its runs before and after the configurations."""
     parts = []
     plat = report.get("platform", {})
+    engine = report.get("engine", {})
     where = plat.get("cpu_class") or (plat.get("device_name") if plat else None)
     if where:
-        dtype = report.get("engine", {}).get("dtype")
+        dtype = engine.get("dtype")
         parts.append(f"measured on {where}" + (
             f", {dtype}" if dtype and not plat.get("cpu_class") else ""))
+    if engine.get("max_num_seqs") is not None:
+        parts.append(f"batch up to {engine['max_num_seqs']} (max_num_seqs)")
     baseline = report.get("baseline") or {}
     runs = [r for r in baseline.get("runs", []) if _num(r.get("tokens_per_s")) is not None]
     if len(runs) > 1:
