@@ -178,6 +178,7 @@ def test_bench_report_prints_the_cost_model():
     table = markdown_table(report)
     line = next(x for x in table.splitlines() if x.startswith("- cost control of adaptive cc"))
     assert "ms per draft token verified" in line and "measured online, 20 steps" in line
+    assert "ms every round (drafting or not)" in line
 
 
 def test_cpu_backend_times_steps_by_this_process_cpu_time():
@@ -359,3 +360,23 @@ def test_a_round_far_above_its_prior_cost_is_clipped_not_dropped():
         model.round_ends(True, 1, 1)
     costs = model.step_costs()
     assert costs.draft_pass + costs.draft_round - costs.verify_fixed > 0.010
+
+
+def test_what_every_round_costs_is_not_priced_as_drafting():
+    # A round costs 1 ms of host work whether or not anyone drafts (the plan itself), and
+    # 5 ms more when somebody does (batch 1, one token, no lookahead pass). Drafting must
+    # be priced at the 5 ms it adds: without the constant term the skipped rounds' 1 ms
+    # went into "anyone drafts" (real pair, batch 1: 6.97 ms for 5.8 ms measured).
+    clock = Clock()
+    model = MeasuredCosts(clock)
+    model.round_ends(False, 0, 0)
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        drafted = rng.random() < 0.4
+        clock.now += 0.070
+        model.round_begins(1, 0)
+        clock.now += 0.001 + (0.005 if drafted else 0.0)
+        model.round_ends(drafted, 0, 0)
+    costs = model.step_costs()
+    assert costs.draft_round - costs.verify_fixed == pytest.approx(0.005, rel=0.05)
+    assert model.describe()["round_ms"]["always"] == pytest.approx(1.0, rel=0.1)

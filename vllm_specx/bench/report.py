@@ -220,7 +220,10 @@ def cost_control_line(control: dict[str, Any]) -> str:
             + (f" + {_fmt(t['any_verified'], 3)} ms when any is"
                if t.get("any_verified") is not None else "") + "; "
             f"round {_fmt(r.get('any_draft'), 2)} ms + {_fmt(r.get('per_pass'), 3)} ms per "
-            f"lookahead pass + {_fmt(r.get('per_row'), 3)} ms per row ({model.get('source')}, "
+            f"lookahead pass + {_fmt(r.get('per_row'), 3)} ms per row"
+            + (f", {_fmt(r['always'], 2)} ms every round (drafting or not)"
+               if r.get("always") is not None else "")
+            + f" ({model.get('source')}, "
             f"{model.get('target_steps_measured')} steps)"
         )
     else:

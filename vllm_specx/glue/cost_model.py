@@ -21,8 +21,9 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   interval far above the typical step, such as the idle gap between two ``generate``
   calls or a step that compiled kernels, is dropped; catch-ups of skipped first passes
   are left out, :meth:`MeasuredCosts.exclude`);
-* the **round**: its time on the same clock, fitted as ``round * [anyone drafts] + pass *
-  passes + row * rows`` (passes: lookahead passes; rows: their request rows); a round far
+* the **round**: its time on the same clock, fitted as ``always + round * [anyone drafts]
+  + pass * passes + row * rows`` (passes: lookahead passes; rows: their request rows;
+  ``always``: what a round costs whether or not anyone drafts, left out of the plan); a round far
   above its prior cost is clipped.
 
 Both are least squares with forgetting (about the last 100 steps), solved with every cost
@@ -66,7 +67,8 @@ from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, Head
 
 # Relative prior (units of one target base step): see the module doc.
 PRIOR_TARGET = (1.0, 0.02, 0.05, 0.02)  # base, per request, per draft token, any verified
-PRIOR_ROUND = (0.05, 0.08, 0.01)  # round (anyone drafts), per lookahead pass, per row
+# always (the plan's own host work), anyone drafts, per lookahead pass, per row
+PRIOR_ROUND = (0.01, 0.05, 0.08, 0.01)
 PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
 FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
 # Outliers, judged against the typical step rather than the fit (which an outlier moves):
@@ -217,7 +219,7 @@ class MeasuredCosts:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.target = _Regression(4)  # [1, B, S, S > 0]
-        self.round = _Regression(3)  # [anyone drafts, passes, rows]
+        self.round = _Regression(4)  # [1, anyone drafts, passes, rows]
         self.scale: float | None = None  # seconds per relative unit: the median step's
         self._units: deque[float] = deque(maxlen=RECENT_UNITS)
         self._first: list[tuple[np.ndarray, float]] = []  # the first steps, held
@@ -250,8 +252,8 @@ class MeasuredCosts:
             _target_features(1, 0), _target_features(2, 0), _target_features(1, 1),
             _target_features(1, 2))])
         self.round.set_prior([(x, float(x @ pr)) for x in (
-            np.array([1.0, 0, 0]), np.array([1.0, 1, 1]), np.array([1.0, 1, 2]),
-            np.array([1.0, 2, 2]))])
+            np.array([1.0, 0, 0, 0]), np.array([1.0, 1, 0, 0]), np.array([1.0, 1, 1, 1]),
+            np.array([1.0, 1, 1, 2]), np.array([1.0, 1, 2, 2]))])
 
     def _rescale(self) -> None:
         """Follow the median step: the prior's pseudo-points never decay, so a scale taken
@@ -332,12 +334,16 @@ class MeasuredCosts:
         now = self.clock()
         excluded, self._excluded = self._excluded, 0.0
         if self._round_start is not None and self.scale is not None:
-            x = np.array([float(drafted), passes, rows])
+            # The constant: what every round costs, drafting or not (the plan, the hole
+            # bookkeeping), so not a cost of drafting. Without it a skipped round's ~1 ms
+            # went into "anyone drafts" (real pair, batch 1, adaptive: 6.97 ms fitted
+            # for 5.8 ms more than a skipped round), and the plan drafted too little.
+            x = np.array([1.0, float(drafted), passes, rows])
             seconds = now - self._round_start - excluded
             # A round far above its prior cost (its kernels compiled on first use) is
             # clipped, not dropped: a drafter that is dear every round stays dear.
             cap = ROUND_OUTLIER_FACTOR * max(float(x @ self._prior_round()),
-                                             self.scale * PRIOR_ROUND[0])
+                                             self.scale * PRIOR_ROUND[1])
             if seconds > cap:
                 self.rounds_clipped += 1
                 seconds = cap
@@ -351,8 +357,8 @@ class MeasuredCosts:
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
-                         target_per_token=float(t[2]), draft_pass=float(r[1]),
-                         draft_row=float(r[2]), draft_round=float(r[0] + t[3]),
+                         target_per_token=float(t[2]), draft_pass=float(r[2]),
+                         draft_row=float(r[3]), draft_round=float(r[1] + t[3]),
                          verify_fixed=float(t[3]))
 
     def describe(self) -> dict[str, Any]:
@@ -367,8 +373,10 @@ class MeasuredCosts:
             "target_ms": {"base": 1e3 * c.target_base, "per_request": 1e3 * c.target_per_request,
                           "per_draft_token": 1e3 * c.target_per_token,
                           "any_verified": 1e3 * any_verified},
-            # The round's own; the plan prices any_draft + any_verified together.
-            "round_ms": {"any_draft": 1e3 * (c.draft_round - any_verified),
+            # The round's own; the plan prices any_draft + any_verified together, and not
+            # "always" (paid by every step, drafting or not).
+            "round_ms": {"always": 1e3 * float(self.round.theta(self._prior_round())[0]),
+                         "any_draft": 1e3 * (c.draft_round - any_verified),
                          "per_pass": 1e3 * c.draft_pass,
                          "per_row": 1e3 * c.draft_row},
         }
