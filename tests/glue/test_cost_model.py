@@ -21,6 +21,15 @@ class Clock:
         return self.now
 
 
+def _started() -> tuple[MeasuredCosts, Clock]:
+    """A model on a scripted clock whose first round has ended (nothing before it to
+    time): each test's steps start from here."""
+    clock = Clock()
+    model = MeasuredCosts(clock)
+    model.round_ends(False, 0, 0)
+    return model, clock
+
+
 TRUE = StepCosts(target_base=0.010, target_per_request=0.0005, target_per_token=0.001,
                  draft_pass=0.002, draft_row=0.0002, draft_round=0.001)
 
@@ -242,9 +251,7 @@ def test_fit_prices_a_verified_token_without_blowing_up_nearly_collinear_terms()
     sums = []
     for seed in range(20):
         rng = np.random.default_rng(seed)
-        clock = Clock()
-        model = MeasuredCosts(clock)
-        model.round_ends(False, 0, 0)
+        model, clock = _started()
         for _ in range(300):
             u = rng.random()
             s = 1 if u < 0.9 else (0 if u < 0.98 else 2)
@@ -262,9 +269,7 @@ def test_catch_ups_are_not_counted_as_the_steps_cost():
     # Every other round and every other interval also ran a 30 ms catch-up of skipped
     # first passes (MeasuredCosts.exclude): the fit must still be TRUE's step, since that
     # work is paid whether or not the step drafts.
-    clock = Clock()
-    model = MeasuredCosts(clock)
-    model.round_ends(False, 0, 0)
+    model, clock = _started()
     rng = np.random.default_rng(1)
     for i in range(200):
         b = int(rng.integers(1, 9))
@@ -292,9 +297,7 @@ def test_a_first_step_that_compiled_kernels_sets_no_price():
     # where a step took 13 ms. Taken as the prior's scale, it priced what the steps never
     # measured while nobody drafted (verifying a token, a draft pass) at 400 ms-step
     # rates for good. Held with the next two and judged by their median, it is dropped.
-    clock = Clock()
-    model = MeasuredCosts(clock)
-    model.round_ends(False, 0, 0)
+    model, clock = _started()
     for i in range(300):
         clock.now += 0.400 if i == 0 else 0.013
         model.round_begins(1, 0)
@@ -309,9 +312,7 @@ def test_a_first_step_that_compiled_kernels_sets_no_price():
 
 
 def test_an_interval_far_above_the_median_step_is_dropped_until_they_keep_coming():
-    clock = Clock()
-    model = MeasuredCosts(clock)
-    model.round_ends(False, 0, 0)
+    model, clock = _started()
 
     def step(seconds: float, s: int = 0) -> None:
         clock.now += seconds
@@ -338,9 +339,7 @@ def test_an_interval_far_above_the_median_step_is_dropped_until_they_keep_coming
 
 
 def test_a_round_far_above_its_prior_cost_is_clipped_not_dropped():
-    clock = Clock()
-    model = MeasuredCosts(clock)
-    model.round_ends(False, 0, 0)
+    model, clock = _started()
     for i in range(200):
         clock.now += 0.010
         model.round_begins(1, 1)
@@ -367,9 +366,7 @@ def test_what_every_round_costs_is_not_priced_as_drafting():
     # 5 ms more when somebody does (batch 1, one token, no lookahead pass). Drafting must
     # be priced at the 5 ms it adds: without the constant term the skipped rounds' 1 ms
     # went into "anyone drafts" (real pair, batch 1: 6.97 ms for 5.8 ms measured).
-    clock = Clock()
-    model = MeasuredCosts(clock)
-    model.round_ends(False, 0, 0)
+    model, clock = _started()
     rng = np.random.default_rng(2)
     for _ in range(300):
         drafted = rng.random() < 0.4
