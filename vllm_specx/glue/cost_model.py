@@ -67,6 +67,7 @@ from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, Head
 
 # Relative prior (units of one target base step): see the module doc.
 PRIOR_TARGET = (1.0, 0.02, 0.05, 0.02)  # base, per request, per draft token, any verified
+_PRIOR_TARGET = np.array(PRIOR_TARGET)
 # always (the plan's own host work), anyone drafts, per lookahead pass, per row
 PRIOR_ROUND = (0.01, 0.05, 0.08, 0.01)
 PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
@@ -213,6 +214,13 @@ def _target_features(num_reqs: int, draft_tokens: int) -> np.ndarray:
     return np.array([1.0, num_reqs, draft_tokens, float(draft_tokens > 0)])
 
 
+def _unit(x: np.ndarray, seconds: float) -> float:
+    """A target interval in units of the prior: ``seconds`` over the step's relative cost
+    ``x . PRIOR_TARGET`` (``x``: :func:`_target_features`). Typical steps of any batch
+    and length come out near the same value, whose median is the prior's scale."""
+    return seconds / float(x @ _PRIOR_TARGET)
+
+
 class MeasuredCosts:
     """The step cost model measured from the engine's own steps (see the module doc)."""
 
@@ -233,7 +241,7 @@ class MeasuredCosts:
         self._excluded = 0.0
 
     def _prior_target(self) -> np.ndarray:
-        return np.array(PRIOR_TARGET) * (self.scale or 1.0)
+        return _PRIOR_TARGET * (self.scale or 1.0)
 
     def _prior_round(self) -> np.ndarray:
         return np.array(PRIOR_ROUND) * (self.scale or 1.0)
@@ -266,8 +274,8 @@ class MeasuredCosts:
         if self.scale is None or abs(median - self.scale) > 0.1 * self.scale:
             self._set_scale(median)
 
-    def _observe_target(self, x: np.ndarray, seconds: float) -> None:
-        self._units.append(seconds / float(x @ np.array(PRIOR_TARGET)))
+    def _observe_target(self, x: np.ndarray, seconds: float, unit: float) -> None:
+        self._units.append(unit)
         self.target.observe(x, seconds)
 
     def round_begins(self, num_reqs: int, draft_tokens: int | None) -> None:
@@ -289,18 +297,17 @@ class MeasuredCosts:
             self._first.append((x, seconds))
             if len(self._first) < FIRST_STEPS:
                 return
-            relative = np.array([float(f @ np.array(PRIOR_TARGET)) for f, _ in self._first])
-            units = np.array([y for _, y in self._first]) / relative
+            units = [_unit(f, y) for f, y in self._first]
             median = float(np.median(units))
             for (f, y), u in zip(self._first, units):
                 if u > OUTLIER_FACTOR * median:
                     self.skipped += 1
                 else:
-                    self._observe_target(f, y)
+                    self._observe_target(f, y, u)
             self._first = []
             self._rescale()
             return
-        unit = seconds / float(x @ np.array(PRIOR_TARGET))
+        unit = _unit(x, seconds)
         if unit > OUTLIER_FACTOR * self.scale:
             # Not a step (an idle gap between two generate calls, a compile), unless they
             # keep coming: then the steps themselves changed, and the median follows.
@@ -310,7 +317,7 @@ class MeasuredCosts:
                 return
             self._units.clear()
         self._outliers_in_a_row = 0
-        self._observe_target(x, seconds)
+        self._observe_target(x, seconds, unit)
         self._rescale()
 
     def forget_interval(self) -> None:
