@@ -82,6 +82,11 @@ def test_choice_extremes():
     mixed = expected_gains(np.array([[0.95] * 4, [0.01] * 4, [0.02] * 4]))
     lengths = choose_draft_lengths(mixed, StepCosts(1.0, 0.0, 0.2, 0.1, 0.05)).lengths
     assert lengths[0] > 0 and lengths[1] == lengths[2] == 0
+    # A model whose plain step costs nothing has no rate to maximise: a plain step for
+    # everyone, not a division by zero (an engine once died of it).
+    for broken in (StepCosts(0.0, 0.0, 0.0, 0.0, 0.0), StepCosts(-1.0, 0.0, 0.1, 0.1, 0.0),
+                   StepCosts(float("nan"), 0.0, 0.1, 0.1, 0.0)):
+        assert choose_draft_lengths(gains, broken).lengths.tolist() == [0, 0, 0]
 
 
 def _reference_cost_stop(conf: list[float], rates: list[float], cap: int,
@@ -152,7 +157,7 @@ def test_cost_stop_over_always_continue_follows_caps_when_threshold_is_zero():
 
 def test_acceptance_history_rates_and_probes():
     h = AcceptanceHistory(3, prior=0.5, prior_weight=1.0, decay=1.0, pooled_decay=1.0,
-                          probe_interval=3)
+                          probe_interval=3, request_weight=1.0)
     for _ in range(8):
         h.observe("good", drafted=3, accepted=3)
         h.observe("bad", drafted=3, accepted=0)

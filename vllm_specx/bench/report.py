@@ -224,7 +224,10 @@ def cost_control_line(control: dict[str, Any]) -> str:
             + (f", {_fmt(r['always'], 2)} ms every round (drafting or not)"
                if r.get("always") is not None else "")
             + f" ({model.get('source')}, "
-            f"{model.get('target_steps_measured')} steps)"
+            f"{model.get('target_steps_measured')} steps"
+            + (f"; {model['not_positive']} intervals measured no time, not used"
+               if model.get("not_positive") else "")
+            + ")"
         )
     else:
         text = str(model)

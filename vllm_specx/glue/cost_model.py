@@ -236,6 +236,11 @@ class MeasuredCosts:
         self._round_start: float | None = None
         self.skipped = 0  # intervals not used (prefill steps, outliers)
         self.rounds_clipped = 0
+        # Intervals or rounds that measured no time (or less), after the catch-ups left out:
+        # never observed (see round_begins). The first one's (seconds, excluded) is kept for
+        # describe(): a clock or bookkeeping fault, not a cost.
+        self.not_positive = 0
+        self.first_not_positive: tuple[float, float] | None = None
         # Time inside the current interval or round spent catching up skipped first
         # passes (:meth:`exclude`), not counted in it.
         self._excluded = 0.0
@@ -290,6 +295,13 @@ class MeasuredCosts:
             self.skipped += last is not None
             return
         seconds = now - last - excluded
+        if not seconds > 0.0:
+            # No step takes no time: a catch-up left out of an interval that did not hold
+            # it, or a clock fault. Observed, it would read as a free target step; a few
+            # made the median step (the prior's scale) and the fit zero, and the plan
+            # divided by a zero step time (an H200, V2, ``adaptive``: the engine died).
+            self._not_positive(seconds, excluded)
+            return
         x = _target_features(num_reqs, draft_tokens)
         if self.scale is None:
             # The first steps wait for each other: any one of them may be an outlier
@@ -320,6 +332,12 @@ class MeasuredCosts:
         self._observe_target(x, seconds, unit)
         self._rescale()
 
+    def _not_positive(self, seconds: float, excluded: float) -> None:
+        self.skipped += 1
+        self.not_positive += 1
+        if self.first_not_positive is None:
+            self.first_not_positive = (seconds, excluded)
+
     def forget_interval(self) -> None:
         """The next interval is not one step's target side (a step ran without a round)."""
         self._round_end = None
@@ -347,6 +365,10 @@ class MeasuredCosts:
             # for 5.8 ms more than a skipped round), and the plan drafted too little.
             x = np.array([1.0, float(drafted), passes, rows])
             seconds = now - self._round_start - excluded
+            if not seconds >= 0.0:
+                # As for a target interval (round_begins): no round takes negative time.
+                self._not_positive(seconds, excluded)
+                seconds = 0.0
             # A round far above its prior cost (its kernels compiled on first use) is
             # clipped, not dropped: a drafter that is dear every round stays dear.
             cap = ROUND_OUTLIER_FACTOR * max(float(x @ self._prior_round()),
@@ -361,6 +383,10 @@ class MeasuredCosts:
     def step_costs(self) -> StepCosts:
         t = self.target.theta(self._prior_target())
         r = self.round.theta(self._prior_round())
+        if not (np.isfinite(t).all() and np.isfinite(r).all() and t[0] + t[1] > 0.0):
+            # A plain one-request step must cost something for a rate to exist; a fit
+            # that says otherwise is not used (the prior's relative costs are).
+            t, r = self._prior_target(), self._prior_round()
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
@@ -377,6 +403,9 @@ class MeasuredCosts:
             "rounds_measured": self.round.count,
             "intervals_skipped": self.skipped,
             "rounds_clipped": self.rounds_clipped,
+            "not_positive": self.not_positive,
+            **({"first_not_positive_ms": [1e3 * v for v in self.first_not_positive]}
+               if self.first_not_positive is not None else {}),
             "target_ms": {"base": 1e3 * c.target_base, "per_request": 1e3 * c.target_per_request,
                           "per_draft_token": 1e3 * c.target_per_token,
                           "any_verified": 1e3 * any_verified},
