@@ -136,6 +136,70 @@ def test_cost_stop_matches_per_row_reference():
             assert int(lengths[r]) == want
 
 
+def _reference_shared_pass(conf: torch.Tensor, rates: torch.Tensor, threshold: float,
+                           pass_threshold: float) -> list[int]:
+    """Every row's length under a shared lookahead pass, by its definition: at each depth
+    the rows whose next token pays its own cost (``P * a_next >= threshold``) go on
+    together iff their margins above that cost add up to the pass's cost."""
+    rows, k = conf.shape
+    p = [1.0] * rows
+    live = list(range(rows))
+    lengths = [0] * rows
+    depth = 0
+    while True:
+        for r in live:
+            lengths[r] = depth + 1
+        if depth + 1 >= k:
+            return lengths
+        margins = {}
+        for r in live:
+            p[r] *= float(conf[r, depth])
+            margins[r] = p[r] * float(rates[r, depth + 1]) - threshold
+        go = [r for r in live if margins[r] >= 0]
+        if not go or sum(margins[r] for r in go) < pass_threshold:
+            return lengths
+        live = go
+        depth += 1
+
+
+def test_cost_stop_shares_the_lookahead_pass_among_the_rows_that_go_on():
+    g = torch.Generator().manual_seed(5)
+    shallower = deeper = 0
+    for case in range(40):
+        rows, k = (1, 6) if case % 2 else (5, 6)
+        conf = torch.rand(rows, k, generator=g) ** 0.2
+        rates = torch.rand(rows, k, generator=g) ** 0.2
+        threshold = float(torch.rand(1, generator=g)) * 0.2
+        pass_threshold = float(torch.rand(1, generator=g)) * 0.6
+        caps = torch.full((rows,), k)
+        rule = CostStop(ConfidenceStop(0.0, max_tokens=k), caps, rates, threshold,
+                        pass_threshold=pass_threshold)
+        free = CostStop(ConfidenceStop(0.0, max_tokens=k), caps, rates, threshold)
+        got = []
+        for r in (rule, free):
+            state = r.start(rows, torch.device("cpu"))
+            live = torch.arange(rows)
+            lengths = torch.zeros(rows, dtype=torch.int64)
+            depth = 0
+            while True:
+                lengths[live] = depth + 1
+                if depth + 1 >= k:
+                    break
+                new, keep = r.step(state[live], depth, next_token_probs=conf[live, depth])
+                state[live] = new
+                live = live[keep]
+                if live.numel() == 0:
+                    break
+                depth += 1
+            got.append(lengths.tolist())
+        assert got[0] == _reference_shared_pass(conf, rates, threshold, pass_threshold)
+        # The pass's cost only ever stops rows earlier.
+        assert all(a <= b for a, b in zip(*got))
+        shallower += got[0] != got[1]
+        deeper += max(got[0]) > 2
+    assert shallower > 0 and deeper > 0  # the cases exercise both sides
+
+
 def test_cost_stop_over_always_continue_follows_caps_when_threshold_is_zero():
     caps = torch.tensor([0, 1, 3, 4])
     rule = CostStop(AlwaysContinue(4), caps, torch.ones(4, 4), threshold=0.0,

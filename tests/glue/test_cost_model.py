@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_specx.algorithms.draft_length import StepCosts
-from vllm_specx.algorithms.draft_stop import ConfidenceStop
+from vllm_specx.algorithms.draft_stop import AlwaysContinue, ConfidenceStop
 from vllm_specx.glue.cost_model import CostControl, MeasuredCosts
 
 
@@ -227,8 +227,11 @@ def test_control_probes_only_where_a_sure_token_would_pay(cheap):
         control.begin(ids, torch.tensor([1, 1]), None)
         control.history.observe_many(ids, [1, 1], [0, 0])
         plan = control.plan(ids, 4, inner, torch.device("cpu"))
-        probed += int(plan.caps.sum())
-        control.end(ids, plan.caps.tolist(), 0, 0)
+        # A request that drafts at all drafts one token, which fails (the rejected count
+        # of 1 above); the caps of a confidence rule are "may draft" (up to K), not lengths.
+        drafted = (plan.caps > 0).long()
+        probed += int(drafted.sum())
+        control.end(ids, drafted.tolist(), 0, 0)
     assert (probed > 0) == cheap
     assert (control.describe()["probes"] > 0) == cheap
 
@@ -426,3 +429,25 @@ def test_a_fit_with_no_cost_for_a_plain_step_falls_back_to_the_prior():
         model.round_ends(False, 0, 0)
     model.target._theta = np.zeros(4)  # what a fit of zero-time steps would give
     assert model.step_costs().target_base > 0
+
+
+def test_a_confidence_rule_decides_the_depth_online_at_the_plans_costs():
+    # The plan from acceptance alone says who drafts; with a confidence to read, the round
+    # may go up to K for those, stopped by the cost stop, whose shared-pass threshold is
+    # the lookahead pass's cost at the plan's rate. Without a confidence (the history
+    # signal) the planned lengths stay the caps.
+    costs = StepCosts(1.0, 0.0, 0.05, 0.3, 0.02, draft_round=0.05)
+    ids = ("a", "b")
+    for inner, loose in ((ConfidenceStop(0.0, max_tokens=4), True), (AlwaysContinue(4), False)):
+        control = CostControl(4)
+        control.fixed_costs = costs
+        control.history.observe_many(ids, [1, 1], [1, 0])  # "a" accepted, "b" did not
+        plan = control.plan(ids, 4, inner, torch.device("cpu"))
+        planned = control.stats.planned_tokens
+        assert 0 < planned < 8  # the plan drafts, but not K for both
+        if loose:
+            assert plan.caps.tolist() == [4 if c else 0 for c in plan.caps.tolist()]
+            assert plan.rule.pass_threshold == pytest.approx(plan.rate * costs.draft_pass)
+        else:
+            assert int(plan.caps.sum()) == planned
+            assert plan.rule.pass_threshold == 0.0

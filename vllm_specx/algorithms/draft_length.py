@@ -430,6 +430,14 @@ class CostStop:
     position and ``threshold = lambda * (token + row)`` the next token's marginal cost at
     the step's rate. ``caps`` may be 0: the round then drops ``Y_1`` (:attr:`row_caps`).
 
+    The next lookahead pass is shared: ``pass_threshold = lambda * pass`` is its cost at the
+    step's rate, paid once by the rows that go on. It runs iff the live rows' positive
+    margins ``P_r * a[r, j+1] - threshold`` add up to at least ``pass_threshold``, and then
+    every row with a margin of at least 0 goes on (each adds no less than it costs). So a
+    round decides its depth online, from the confidence of the drafts it has drawn, at the
+    same costs the plan used: at batch 1 a confident draft goes deeper than the plan's
+    length from acceptance alone, a doubtful one stops earlier.
+
     The state is ``[R, 3 + 2K]``: the inner rule's state, ``log P_r``, the cap, the rates
     and the raw confidence read at each depth (NaN where none was), so the round's slicing
     by its live rows carries each row's own plan along, and the round can hand the
@@ -445,11 +453,13 @@ class CostStop:
         signal: str = "token_prob",
         head: torch.nn.Module | None = None,
         calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pass_threshold: float = 0.0,
     ) -> None:
         self.inner = inner
         self.row_caps = caps.to(torch.int64)  # [R]
         self.rates = rates.to(torch.float32)  # [R, K]
         self.threshold = float(threshold)
+        self.pass_threshold = float(pass_threshold)
         self.signal = signal
         self.head = head
         self.calibration = calibration
@@ -514,6 +524,12 @@ class CostStop:
         next_rate = rates[:, min(depth + 1, k - 1)].clamp_min(tiny)
         pays = (current + next_rate.log()) >= float(np.log(max(self.threshold, tiny)))
         keep = keep.to(torch.bool) & pays & (depth + 1 < caps)
+        if self.pass_threshold > 0.0:
+            # The rows that would go on must pay for the pass together (one device-side
+            # sum: no host read beyond the keep mask the round reads anyway).
+            margin = (current + next_rate.log()).exp() - self.threshold
+            total = torch.where(keep, margin.clamp_min(0.0), torch.zeros_like(margin)).sum()
+            keep = keep & (total >= self.pass_threshold)
         new_state = torch.cat([inner_state.to(torch.float32).view(-1, 1), log_p.view(-1, 1),
                                caps.view(-1, 1), rates, read], dim=1)
         return new_state, keep
