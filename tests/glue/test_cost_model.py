@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specx.algorithms.draft_length import StepCosts
+from vllm_specx.algorithms.draft_length import StepCosts, choose_draft_lengths
 from vllm_specx.algorithms.draft_stop import AlwaysContinue, ConfidenceStop
 from vllm_specx.glue.cost_model import CostControl, MeasuredCosts
 
@@ -451,3 +451,25 @@ def test_a_confidence_rule_decides_the_depth_online_at_the_plans_costs():
         else:
             assert int(plan.caps.sum()) == planned
             assert plan.rule.pass_threshold == 0.0
+
+
+def test_a_skipped_first_pass_is_priced_with_the_catch_up_it_leaves():
+    # Skipping the first pass while nobody drafts does not save writing that position's
+    # draft KV: a later catch-up writes it (left out of the step's time). What that costs
+    # per position is what a skipped step leaves behind per request, so a plan whose
+    # drafting barely loses against a free skip drafts once the skip is priced.
+    model, clock = _started()
+    for _ in range(20):
+        clock.now += 0.010
+        model.round_begins(2, 0)
+        model.round_ends(False, 0, 0)
+        model.exclude(0.004, positions=8)  # 0.5 ms a position, left out of the interval
+        clock.now += 0.004
+    assert model.step_costs().skip_debt == pytest.approx(0.0005)
+    assert model.describe()["round_ms"]["skip_debt_per_request"] == pytest.approx(0.5)
+    gains = np.array([[0.1], [0.1]])  # two requests, one token each at 0.1 acceptance
+    # Drafting: 2.2 tokens for 1.105; skipping: 2 tokens for 1 (free) or 1.02 (priced).
+    free_skip = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=0.105)
+    priced_skip = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=0.105, skip_debt=0.01)
+    assert choose_draft_lengths(gains, free_skip).lengths.tolist() == [0, 0]
+    assert choose_draft_lengths(gains, priced_skip).lengths.tolist() == [1, 1]

@@ -72,6 +72,9 @@ class StepCosts:
     ``verify_fixed``: the part of ``draft_round`` the target side pays for verifying any
     draft at all (the verification path); a chain pays it exactly when somebody drafts,
     but a drafted tree pruned to nothing does not (``tree_budget.step_costs_paid``).
+    ``skip_debt``: per request, what a step where nobody drafts leaves to be paid later
+    (a drafter that skips its first pass then catches the draft KV of that position up in
+    a later pass): skipping the first pass saves ``draft_round`` less this, per request.
     """
 
     target_base: float
@@ -82,6 +85,7 @@ class StepCosts:
     fixed: float = 0.0
     draft_round: float = 0.0
     verify_fixed: float = 0.0
+    skip_debt: float = 0.0
 
     def target(self, num_reqs: int, draft_tokens: np.ndarray | int) -> np.ndarray | float:
         return (self.target_base + self.target_per_request * num_reqs
@@ -99,6 +103,8 @@ class StepCosts:
         total = self.fixed + float(self.target(len(lengths), sum(lengths)))
         if any(lengths):
             total += self.draft_round
+        else:
+            total += self.skip_debt * len(lengths)
         for depth in range(1, max(lengths, default=0)):
             rows = sum(wr for n, wr in zip(lengths, w) if n > depth)
             total += self.draft_pass + self.draft_row * rows
@@ -152,7 +158,8 @@ def _best_for_lambda(
     count = np.cumsum(in_m, axis=1)
     cost = costs.target(num_reqs, count) + costs.draft_pass * (m - 1) + costs.draft_round
     objective = np.where(in_m, gain - lam * cost, -np.inf)
-    zero = -lam * float(costs.target(num_reqs, 0))  # S = 0: nobody drafts
+    # S = 0: nobody drafts (and the skipped first pass is caught up later)
+    zero = -lam * (float(costs.target(num_reqs, 0)) + costs.skip_debt * num_reqs)
     mi, j = np.unravel_index(int(np.argmax(objective)), objective.shape)
     if objective[mi, j] <= zero:
         return best

@@ -223,6 +223,8 @@ def cost_control_line(control: dict[str, Any]) -> str:
             f"lookahead pass + {_fmt(r.get('per_row'), 3)} ms per row"
             + (f", {_fmt(r['always'], 2)} ms every round (drafting or not)"
                if r.get("always") is not None else "")
+            + (f", {_fmt(r['skip_debt_per_request'], 3)} ms per request to catch up a "
+               "skipped first pass" if r.get("skip_debt_per_request") else "")
             + f" ({model.get('source')}, "
             f"{model.get('target_steps_measured')} steps"
             + (f"; {model['not_positive']} intervals measured no time, not used"

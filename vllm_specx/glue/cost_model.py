@@ -78,6 +78,7 @@ FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
 OUTLIER_FACTOR = 5.0  # an interval this many units above the median is not a step
 ROUND_OUTLIER_FACTOR = 10.0  # a round is clipped at this many times its prior cost
 RECENT_UNITS = 33
+CATCH_UP_DECAY = 0.99  # the catch-ups' cost per position follows about the last 100
 FIRST_STEPS = 3  # held until their median can tell an outlier among them
 OUTLIERS_IN_A_ROW = 4  # this many in a row are not outliers: the steps changed
 
@@ -244,6 +245,10 @@ class MeasuredCosts:
         # Time inside the current interval or round spent catching up skipped first
         # passes (:meth:`exclude`), not counted in it.
         self._excluded = 0.0
+        # The catch-ups' seconds and the positions they wrote (decaying sums): what a
+        # skipped first pass leaves to be paid per position (StepCosts.skip_debt).
+        self.catch_up_seconds = 0.0
+        self.catch_up_positions = 0.0
 
     def _prior_target(self) -> np.ndarray:
         return _PRIOR_TARGET * (self.scale or 1.0)
@@ -344,7 +349,7 @@ class MeasuredCosts:
         self._round_start = None
         self._excluded = 0.0
 
-    def exclude(self, seconds: float) -> None:
+    def exclude(self, seconds: float, positions: int = 0) -> None:
         """``seconds`` of the current interval or round were a catch-up of skipped first
         passes (``DraftKVHoles``): not a cost of this step's choice. The draft KV of every
         position is written once whether its step drafted or not (by its first pass, or
@@ -352,8 +357,16 @@ class MeasuredCosts:
         counted in the round, a catch-up made drafting look dearer the more steps had
         skipped (real pair, batch 1: the draft model's first pass fitted at 8.4 ms, and
         the plan drafted on 17% of steps for 0.97x where drafting one token on every step
-        ran at 1.05x)."""
+        ran at 1.05x).
+
+        ``positions``: how many positions' draft KV the catch-up wrote. Their cost per
+        position is what skipping a first pass leaves to be paid later, per request
+        (:attr:`StepCosts.skip_debt`): a skipped step saves the round's ``any_draft`` less
+        that, not all of it."""
         self._excluded += seconds
+        if positions > 0:
+            self.catch_up_seconds = CATCH_UP_DECAY * self.catch_up_seconds + seconds
+            self.catch_up_positions = CATCH_UP_DECAY * self.catch_up_positions + positions
 
     def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
         now = self.clock()
@@ -389,10 +402,12 @@ class MeasuredCosts:
             t, r = self._prior_target(), self._prior_round()
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
+        debt = (self.catch_up_seconds / self.catch_up_positions
+                if self.catch_up_positions > 0 else 0.0)
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
                          target_per_token=float(t[2]), draft_pass=float(r[2]),
                          draft_row=float(r[3]), draft_round=float(r[1] + t[3]),
-                         verify_fixed=float(t[3]))
+                         verify_fixed=float(t[3]), skip_debt=debt)
 
     def describe(self) -> dict[str, Any]:
         c = self.step_costs()
@@ -414,7 +429,8 @@ class MeasuredCosts:
             "round_ms": {"always": 1e3 * float(self.round.theta(self._prior_round())[0]),
                          "any_draft": 1e3 * (c.draft_round - any_verified),
                          "per_pass": 1e3 * c.draft_pass,
-                         "per_row": 1e3 * c.draft_row},
+                         "per_row": 1e3 * c.draft_row,
+                         "skip_debt_per_request": 1e3 * c.skip_debt},
         }
 
 

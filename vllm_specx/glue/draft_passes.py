@@ -734,6 +734,7 @@ class DraftKVHoles:
         control = getattr(proposer, "_cost_control", None)
         clock = control.costs.clock if control is not None else None
         started = clock() if clock is not None and todo else None
+        positions = sum(q - h for h, q in todo.values())
         tokens = getattr(proposer, "catch_up_pass_tokens", None) or proposer.input_ids.shape[0]
         budget = max(int(self.pass_tokens or tokens), 1)
         device = proposer.device
@@ -770,7 +771,7 @@ class DraftKVHoles:
                 else:
                     todo[i][0] = b
         if started is not None:
-            control.costs.exclude(clock() - started)
+            control.costs.exclude(clock() - started, positions)
 
     def fed_tokens(self, row: int, a: int, b: int, token_ids_cpu: np.ndarray) -> torch.Tensor:
         """The tokens a catch-up feeds batch row ``row`` at positions ``a .. b-1`` (int64):
