@@ -107,6 +107,26 @@ def _reference_cost_stop(conf: list[float], rates: list[float], cap: int,
         depth += 1
 
 
+def _drive_round(rule, conf: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's draft length when ``rule`` reads ``conf[row, depth]`` at every depth,
+    driven as ``glue/chain_drafter.py`` drives a rule (live rows only, up to ``k``)."""
+    rows = conf.shape[0]
+    state = rule.start(rows, torch.device("cpu"))
+    live = torch.arange(rows)
+    lengths = torch.zeros(rows, dtype=torch.int64)
+    depth = 0
+    while True:
+        lengths[live] = depth + 1
+        if depth + 1 >= k:
+            return lengths
+        new, keep = rule.step(state[live], depth, next_token_probs=conf[live, depth])
+        state[live] = new
+        live = live[keep]
+        if live.numel() == 0:
+            return lengths
+        depth += 1
+
+
 def test_cost_stop_matches_per_row_reference():
     g = torch.Generator().manual_seed(3)
     for _ in range(20):
@@ -116,21 +136,8 @@ def test_cost_stop_matches_per_row_reference():
         caps = torch.randint(0, k + 1, (rows,), generator=g)
         threshold = float(torch.rand(1, generator=g)) * 0.5
         rule = CostStop(ConfidenceStop(0.2, max_tokens=k), caps, rates, threshold)
-        state = rule.start(rows, torch.device("cpu"))
-        live = torch.arange(rows)
-        lengths = torch.zeros(rows, dtype=torch.int64)
-        depth = 0
-        while True:  # driven as glue/chain_drafter.py drives a rule
-            lengths[live] = depth + 1
-            if depth + 1 >= k:
-                break
-            new, keep = rule.step(state[live], depth, next_token_probs=conf[live, depth])
-            state[live] = new
-            live = live[keep]
-            if live.numel() == 0:
-                break
-            depth += 1
-        lengths = torch.minimum(lengths, rule.row_caps)  # the round drops Y_1 at cap 0
+        # The round drops Y_1 at cap 0.
+        lengths = torch.minimum(_drive_round(rule, conf, k), rule.row_caps)
         for r in range(rows):
             want = min(_reference_cost_stop(conf[r].tolist(), rates[r].tolist(),
                                             int(caps[r]), threshold, 0.2), int(caps[r]))
@@ -176,23 +183,7 @@ def test_cost_stop_shares_the_lookahead_pass_among_the_rows_that_go_on():
         rule = CostStop(ConfidenceStop(0.0, max_tokens=k), caps, rates, threshold,
                         pass_threshold=pass_threshold)
         free = CostStop(ConfidenceStop(0.0, max_tokens=k), caps, rates, threshold)
-        got = []
-        for r in (rule, free):
-            state = r.start(rows, torch.device("cpu"))
-            live = torch.arange(rows)
-            lengths = torch.zeros(rows, dtype=torch.int64)
-            depth = 0
-            while True:
-                lengths[live] = depth + 1
-                if depth + 1 >= k:
-                    break
-                new, keep = r.step(state[live], depth, next_token_probs=conf[live, depth])
-                state[live] = new
-                live = live[keep]
-                if live.numel() == 0:
-                    break
-                depth += 1
-            got.append(lengths.tolist())
+        got = [_drive_round(r, conf, k).tolist() for r in (rule, free)]
         assert got[0] == _reference_shared_pass(conf, rates, threshold, pass_threshold)
         # The pass's cost only ever stops rows earlier.
         assert all(a <= b for a, b in zip(*got))

@@ -39,13 +39,20 @@ TRUE = StepCosts(target_base=0.010, target_per_request=0.0005, target_per_token=
 ANY_VERIFIED = 0.0007
 
 
+def _random_target_side(rng: np.random.Generator) -> tuple[int, int, float]:
+    """A step of 1-8 requests verifying 0 (half the time) to 4 per request draft tokens,
+    and what its target side costs: TRUE's time plus ANY_VERIFIED when it verifies any."""
+    b = int(rng.integers(1, 9))
+    s = int(rng.integers(1, 4 * b + 1)) if rng.random() < 0.5 else 0
+    return b, s, float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
+
+
 def _steps(model: MeasuredCosts, clock: Clock, n: int, rng: np.random.Generator) -> None:
     """``n`` steps of varying batch and lengths (half of them verifying nothing), each
     costing exactly TRUE's times plus ANY_VERIFIED when it verifies drafts."""
     for _ in range(n):
-        b = int(rng.integers(1, 9))
-        s = int(rng.integers(1, 4 * b + 1)) if rng.random() < 0.5 else 0
-        clock.now += float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
+        b, s, seconds = _random_target_side(rng)
+        clock.now += seconds
         model.round_begins(b, s)
         passes = int(rng.integers(0, 4))
         rows = passes * int(rng.integers(1, b + 1))
@@ -278,9 +285,8 @@ def test_catch_ups_are_not_counted_as_the_steps_cost():
     model, clock = _started()
     rng = np.random.default_rng(1)
     for i in range(200):
-        b = int(rng.integers(1, 9))
-        s = int(rng.integers(1, 4 * b + 1)) if rng.random() < 0.5 else 0
-        clock.now += float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
+        b, s, seconds = _random_target_side(rng)
+        clock.now += seconds
         if i % 2:
             clock.now += 0.030
             model.exclude(0.030)
@@ -393,9 +399,8 @@ def test_intervals_that_measured_no_time_are_not_used():
     model, clock = _started()
     rng = np.random.default_rng(3)
     for i in range(60):
-        b = int(rng.integers(1, 9))
-        s = int(rng.integers(1, 4 * b + 1)) if rng.random() < 0.5 else 0
-        clock.now += float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
+        b, s, seconds = _random_target_side(rng)
+        clock.now += seconds
         if i % 3 == 0:
             model.exclude(1.0)  # more than the interval holds
         model.round_begins(b, s)
