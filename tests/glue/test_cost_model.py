@@ -10,7 +10,7 @@ import torch
 
 from vllm_specx.algorithms.draft_length import StepCosts, choose_draft_lengths
 from vllm_specx.algorithms.draft_stop import AlwaysContinue, ConfidenceStop
-from vllm_specx.glue.cost_model import CostControl, MeasuredCosts
+from vllm_specx.glue.cost_model import CostControl, MeasuredCosts, probe_could_pay
 
 
 class Clock:
@@ -478,3 +478,10 @@ def test_a_skipped_first_pass_is_priced_with_the_catch_up_it_leaves():
     priced_skip = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=0.105, skip_debt=0.01)
     assert choose_draft_lengths(gains, free_skip).lengths.tolist() == [0, 0]
     assert choose_draft_lengths(gains, priced_skip).lengths.tolist() == [1, 1]
+    # A probe's step spares the catch-up too: where the round alone costs more than a
+    # sure token earns, a debt that covers most of it lets the probe pay.
+    dear = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=3.0)
+    nobody = choose_draft_lengths(gains, dear)
+    assert not probe_could_pay(nobody, dear)
+    indebted = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=3.0, skip_debt=1.2)
+    assert probe_could_pay(choose_draft_lengths(gains, indebted), indebted)

@@ -444,8 +444,13 @@ def probe_could_pay(choice: LengthChoice, costs: StepCosts) -> bool:
     on the real pair at batch 32 a probe step cost about 0.9 of a step for the 0.38
     token its probe earned), probing only costs, and its answer could not change the
     plan; the request stays due and probes once it could pay (the batch shrinks, or
-    others draft)."""
-    extra = costs.target_per_token + (0.0 if choice.lengths.any() else costs.draft_round)
+    others draft). A probe that makes the step a drafting one also spares the catch-up
+    the skipped first pass would have left (``skip_debt`` per request)."""
+    if choice.lengths.any():
+        extra = costs.target_per_token
+    else:
+        extra = (costs.target_per_token + costs.draft_round
+                 - costs.skip_debt * len(choice.lengths))
     return 1.0 > extra * choice.rate
 
 
