@@ -4,6 +4,8 @@ acceptance from the rejected counts and plans zero for a request whose drafts fa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -47,16 +49,24 @@ def _random_target_side(rng: np.random.Generator) -> tuple[int, int, float]:
     return b, s, float(TRUE.target(b, s)) + (ANY_VERIFIED if s else 0.0)
 
 
-def _steps(model: MeasuredCosts, clock: Clock, n: int, rng: np.random.Generator) -> None:
+def _steps(model: MeasuredCosts, clock: Clock, n: int, rng: np.random.Generator,
+           in_interval: Callable[[int], None] | None = None,
+           in_round: Callable[[int], None] | None = None) -> None:
     """``n`` steps of varying batch and lengths (half of them verifying nothing), each
-    costing exactly TRUE's times plus ANY_VERIFIED when it verifies drafts."""
-    for _ in range(n):
+    costing exactly TRUE's times plus ANY_VERIFIED when it verifies drafts.
+    ``in_interval(i)`` / ``in_round(i)``: run at the end of step ``i``'s target side /
+    round (a catch-up the test scripts there)."""
+    for i in range(n):
         b, s, seconds = _random_target_side(rng)
         clock.now += seconds
+        if in_interval is not None:
+            in_interval(i)
         model.round_begins(b, s)
         passes = int(rng.integers(0, 4))
         rows = passes * int(rng.integers(1, b + 1))
         clock.now += TRUE.draft_round + TRUE.draft_pass * passes + TRUE.draft_row * rows
+        if in_round is not None:
+            in_round(i)
         model.round_ends(True, passes, rows)
 
 
@@ -283,21 +293,14 @@ def test_catch_ups_are_not_counted_as_the_steps_cost():
     # first passes (MeasuredCosts.exclude): the fit must still be TRUE's step, since that
     # work is paid whether or not the step drafts.
     model, clock = _started()
-    rng = np.random.default_rng(1)
-    for i in range(200):
-        b, s, seconds = _random_target_side(rng)
-        clock.now += seconds
-        if i % 2:
+
+    def catch_up(i: int, every_other: int) -> None:
+        if i % 2 == every_other:
             clock.now += 0.030
             model.exclude(0.030)
-        model.round_begins(b, s)
-        passes = int(rng.integers(0, 4))
-        rows = passes * int(rng.integers(1, b + 1))
-        clock.now += TRUE.draft_round + TRUE.draft_pass * passes + TRUE.draft_row * rows
-        if i % 2 == 0:
-            clock.now += 0.030
-            model.exclude(0.030)
-        model.round_ends(True, passes, rows)
+
+    _steps(model, clock, 200, np.random.default_rng(1),
+           in_interval=lambda i: catch_up(i, 1), in_round=lambda i: catch_up(i, 0))
     got = model.step_costs()
     assert got.target_base == pytest.approx(TRUE.target_base, rel=0.05)
     assert got.draft_pass == pytest.approx(TRUE.draft_pass, rel=0.05)
@@ -397,17 +400,11 @@ def test_intervals_that_measured_no_time_are_not_used():
     # the plain step's fitted cost went to zero and the plan divided by it. Such intervals
     # are counted, not observed, and the fit stays the steps' own.
     model, clock = _started()
-    rng = np.random.default_rng(3)
-    for i in range(60):
-        b, s, seconds = _random_target_side(rng)
-        clock.now += seconds
-        if i % 3 == 0:
-            model.exclude(1.0)  # more than the interval holds
-        model.round_begins(b, s)
-        clock.now += TRUE.draft_round
-        if i % 5 == 0:
-            model.exclude(1.0)
-        model.round_ends(True, 0, 0)
+    # A 1 s catch-up left out of every third interval and every fifth round: more than
+    # either holds.
+    _steps(model, clock, 60, np.random.default_rng(3),
+           in_interval=lambda i: model.exclude(1.0) if i % 3 == 0 else None,
+           in_round=lambda i: model.exclude(1.0) if i % 5 == 0 else None)
     # 20 intervals and 11 timed rounds (the first round ends before the first steps set a
     # scale, and is not timed) measured less than nothing.
     assert model.not_positive == 20 + 11 and model.target.count == 60 - 20

@@ -393,13 +393,18 @@ class MeasuredCosts:
         self._round_start = None
         self._round_end = now
 
-    def step_costs(self) -> StepCosts:
+    def _thetas(self) -> tuple[np.ndarray, np.ndarray]:
+        """The target's and the round's coefficients the plan uses (and describe() prints)."""
         t = self.target.theta(self._prior_target())
         r = self.round.theta(self._prior_round())
         if not (np.isfinite(t).all() and np.isfinite(r).all() and t[0] + t[1] > 0.0):
             # A plain one-request step must cost something for a rate to exist; a fit
             # that says otherwise is not used (the prior's relative costs are).
             t, r = self._prior_target(), self._prior_round()
+        return t, r
+
+    def step_costs(self) -> StepCosts:
+        t, r = self._thetas()
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
         debt = (self.catch_up_seconds / self.catch_up_positions
@@ -411,7 +416,8 @@ class MeasuredCosts:
 
     def describe(self) -> dict[str, Any]:
         c = self.step_costs()
-        any_verified = float(self.target.theta(self._prior_target())[3])
+        any_verified = c.verify_fixed
+        always = float(self._thetas()[1][0])
         return {
             "source": "measured online" if self.target.count else "prior",
             "target_steps_measured": self.target.count,
@@ -426,7 +432,7 @@ class MeasuredCosts:
                           "any_verified": 1e3 * any_verified},
             # The round's own; the plan prices any_draft + any_verified together, and not
             # "always" (paid by every step, drafting or not).
-            "round_ms": {"always": 1e3 * float(self.round.theta(self._prior_round())[0]),
+            "round_ms": {"always": 1e3 * always,
                          "any_draft": 1e3 * (c.draft_round - any_verified),
                          "per_pass": 1e3 * c.draft_pass,
                          "per_row": 1e3 * c.draft_row,
