@@ -263,6 +263,11 @@ def test_nonnegative_fit_equals_a_reference_nnls():
         x, y = rng.normal(size=(30, 4)), rng.normal(size=30)
         ref, _ = optimize.nnls(x, y)
         assert _nonnegative_least_squares(x.T @ x, x.T @ y) == pytest.approx(ref, abs=1e-8)
+        # The last fit's free set, tried first, is kept only where it is the optimum:
+        # the reference's own free set, any other, or none.
+        for hint in (ref > 0, rng.random(4) < 0.5, np.zeros(4, dtype=bool)):
+            assert _nonnegative_least_squares(x.T @ x, x.T @ y, hint) == pytest.approx(
+                ref, abs=1e-8)
 
 
 def test_fit_prices_a_verified_token_without_blowing_up_nearly_collinear_terms():

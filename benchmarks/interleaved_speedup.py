@@ -1,0 +1,166 @@
+"""Wall-clock speed-up over no speculation, with every configuration's timed runs
+interleaved, so that neither the order of the rows nor a host (or GPU clock) that drifts
+during the run favours one of them.
+
+``vllm-specx bench`` runs its configurations one after another between two
+no-speculation runs; on a host whose speed drifts by several percent within a run, the
+row that ran on the faster stretch wins (docs/cost-control.md, "Acceptance kept longer and
+depth decided online"). Here every configuration gets its own in-process engine, all alive
+at once, each warmed up by one untimed request, and then the timed passes go
+``none A B none A B ...``: each speed-up is the median of the repeats' tokens/s over the
+no-speculation engine's median, with the spread of the repeats beside it::
+
+    python benchmarks/interleaved_speedup.py --pair real --batch 1 \\
+      --config '{"method": "adaptive", "name": "adaptive on"}' \\
+      --config '{"method": "adaptive", "cost_control": false, "name": "adaptive off"}'
+
+A ``--config`` is the ``speculative_config`` dict, plus an optional ``"name"`` and an
+optional ``"engine_args"`` (extra ``vllm.LLM`` keyword arguments for that engine only,
+e.g. ``{"async_scheduling": false}``); ``{"method": "none"}`` is no speculation (a second
+no-speculation engine with other engine arguments, say). The first row is always vLLM
+without speculation, with ``--engine-args`` only. Greedy (``--temperature 0``) rows
+report whether their tokens equal that row's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _parse_config(text: str) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
+    cfg = json.loads(text)
+    if not isinstance(cfg, dict) or "method" not in cfg:
+        raise SystemExit(f"--config must be a JSON object with a 'method', got {text!r}")
+    name = str(cfg.pop("name", cfg["method"]))
+    engine_args = cfg.pop("engine_args", {})
+    if not isinstance(engine_args, dict):
+        raise SystemExit(f"--config 'engine_args' must be a JSON object, got {engine_args!r}")
+    return name, (None if cfg["method"] == "none" else cfg), engine_args
+
+
+def _run(llm: Any, prompts: list[str], params: Any) -> tuple[float, float, int, int, list]:
+    """All prompts at once (the engine's ``max_num_seqs`` sets the batch): wall and CPU
+    seconds, engine steps, generated tokens, and the token ids per prompt."""
+    engine = llm.llm_engine
+    tag = time.monotonic_ns()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{tag}-{i}", prompt, params)
+    outs: dict[int, list[int]] = {}
+    steps = 0
+    c0, w0 = time.process_time(), time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[int(o.request_id.rsplit("-", 1)[1])] = list(o.outputs[0].token_ids)
+        steps += 1
+    c1, w1 = time.process_time(), time.perf_counter()
+    ordered = [outs[i] for i in range(len(prompts))]
+    return w1 - w0, c1 - c0, steps, sum(len(t) for t in ordered), ordered
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=("fixture", "real"), default="real")
+    ap.add_argument("--config", action="append", default=[], help="a speculative_config "
+                    "JSON (see the module doc); repeat for more rows")
+    ap.add_argument("--batch", type=int, default=1, help="max_num_seqs of every engine")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine-args", type=json.loads, default={},
+                    help="JSON of extra vllm.LLM keyword arguments for every engine (on a GPU, "
+                         "e.g. '{\"gpu_memory_utilization\": 0.1, \"dtype\": \"bfloat16\"}')")
+    ap.add_argument("-o", "--output", default=None, help="write the JSON report here too")
+    args = ap.parse_args()
+    rows = [("none", None, {})] + [_parse_config(c) for c in args.config]
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm_specx.engine import default_dtype, ensure_cpu_env, make_llm, shutdown_llm
+
+    ensure_cpu_env()
+    from vllm import SamplingParams
+
+    overrides: dict[str, Any] = {"max_num_seqs": args.batch}
+    if args.pair == "real":
+        from vllm_specx import real_pair
+        from vllm_specx.bench.prompts import read_jsonl
+
+        target = str(real_pair.ensure_target())
+        draft = str(real_pair.draft_dir())
+        prompts = read_jsonl(real_pair.HELDOUT_PROMPTS, args.prompts).prompts
+        overrides["kv_cache_memory_bytes"] = 256 << 20
+    else:
+        from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
+
+        target_p, draft_p = fixture_model_dirs()
+        target, draft = str(target_p), str(draft_p)
+        prompts = [p["prompt"] if isinstance(p, dict) else p
+                   for p in heldout_prompts(args.prompts)]
+    while len(prompts) < args.prompts:  # a batch larger than the prompt file: repeat it
+        prompts = prompts + prompts[: args.prompts - len(prompts)]
+    overrides.update(args.engine_args)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=0 if args.temperature > 0 else None)
+
+    engines = []
+    for name, spec, engine_args in rows:
+        if spec is not None and spec.get("method") not in ("ngram", "eagle3", "eagle",
+                                                           "specx_eagle3", "specx_eagle",
+                                                           "mtp", "specx_mtp"):
+            spec.setdefault("model", draft)
+        llm = make_llm(target, speculative_config=spec, **{**overrides, **engine_args})
+        _run(llm, prompts[:1], params)  # warm-up, not counted
+        sched = llm.llm_engine.vllm_config.scheduler_config
+        engines.append((name, llm, bool(sched.async_scheduling)))
+
+    timed: dict[str, dict[str, list[float]]] = {n: {"tps": [], "cpu": []} for n, _, _ in rows}
+    outputs: dict[str, list] = {}
+    steps: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for name, llm, _ in engines:
+            wall, cpu, n_steps, tokens, outs = _run(llm, prompts, params)
+            timed[name]["tps"].append(tokens / wall)
+            timed[name]["cpu"].append(1000 * cpu / tokens)
+            outputs[name], steps[name] = outs, n_steps
+    base = statistics.median(timed["none"]["tps"])
+    result = []
+    for name, _, is_async in engines:
+        tps = timed[name]["tps"]
+        result.append({
+            "config": name,
+            "speedup": round(statistics.median(tps) / base, 3),
+            "tokens_per_s": round(statistics.median(tps), 2),
+            "spread": round((max(tps) - min(tps)) / statistics.median(tps), 3),
+            "cpu_ms_per_token": round(statistics.median(timed[name]["cpu"]), 3),
+            "engine_steps": steps[name],
+            "async_scheduling": is_async,
+            "same_output_as_none": (outputs[name] == outputs["none"]
+                                    if args.temperature == 0 else None),
+        })
+    for _, llm, _ in engines:
+        shutdown_llm(llm)
+    report = {"pair": args.pair, "dtype": overrides.get("dtype", default_dtype()),
+              "batch": args.batch, "engine_args": overrides, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "repeats": args.repeats, "load": os.getloadavg(), "rows": result}
+    print(json.dumps(report, indent=1))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+    for r in result:
+        print(f"{r['config']:28s} {r['speedup']:6.3f}x  {r['tokens_per_s']:8.2f} tok/s "
+              f"(spread {100 * r['spread']:.1f}%)  cpu {r['cpu_ms_per_token']:7.3f} ms/token  "
+              f"steps {r['engine_steps']}  async {r['async_scheduling']}  "
+              f"same {r['same_output_as_none']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
