@@ -184,3 +184,93 @@ def check_idle_steps(idle: dict[str, Any], plain: list[list[int]]) -> None:
     drafted, accepted = idle["skip_counts"]
     assert drafted > 0 and accepted > 0
     assert idle["skip_counts"] == idle["no_skip_counts"]
+
+
+class ScriptedRetirement:
+    """Acceptance rates for :func:`run_retirement`: every request looks good on steps
+    1-2, hopeless on the next ``hopeless`` steps (all-zero steps: the first pass is
+    skipped), and good again from then on."""
+
+    def __init__(self, k: int, hopeless: int) -> None:
+        self.k, self.hopeless = k, hopeless
+        self.step = 0
+
+    def __call__(self, req_ids: list[str]) -> Any:
+        self.step += 1
+        good = not 3 <= self.step < 3 + self.hopeless
+        return np.full((len(req_ids), self.k), 0.95 if good else 0.02)
+
+
+def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
+                   params: Any, retire_after: int = 3) -> dict[str, Any]:
+    """Generate ``prompts`` under :class:`ScriptedRetirement` plans with the hole record's
+    ``retire_after`` at ``retire_after`` skipped steps: every request retires during the
+    hopeless stretch; then the same prompts again as new requests, on a fresh script.
+    Returns both outputs, each round's request ids, drafts and the requests retired
+    before it (``rounds`` / ``rounds_again``), and the hole record's stats. The drafter's
+    settings are restored afterwards; V1 engine or Model Runner V2 host, as
+    :func:`run_idle_steps`."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    saved = dict(drafter.settings)
+    saved_control = drafter._cost_control
+    original = drafter.propose
+    rounds: list[tuple[list[str], list[list[int]], list[str]]] = []
+    saved_holes = getattr(drafter, "_kv_holes", None)
+    drafter._kv_holes = None
+    holes = drafter.kv_holes()
+    holes.retire_after = retire_after
+
+    def propose(*args: Any, **kwargs: Any) -> Any:
+        retired = sorted(holes.retired)
+        drafts = original(*args, **kwargs)
+        if not kwargs.get("dummy_run"):
+            ids, d = _drafted(drafter, args, kwargs, drafts)
+            rounds.append((ids, d, retired))
+        return drafts
+
+    def fresh_control() -> None:
+        drafter._cost_control = None
+        control = drafter.cost_control(k)
+        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                        target_per_token=0.02, draft_pass=0.02,
+                                        draft_row=0.01)
+        control.history.probe_interval = 10**9
+        control.history.rates = ScriptedRetirement(k, hopeless=retire_after + 3)
+
+    out: dict[str, Any] = {}
+    drafter.settings = {**saved, "cost_control": True}
+    drafter.propose = propose
+    try:
+        for name in ("rounds", "rounds_again"):
+            fresh_control()
+            rounds.clear()
+            out[name.replace("rounds", "out")] = output_ids(generate(llm, prompts, params))
+            out[name] = list(rounds)
+        out["holes"] = dict(holes.as_dict())
+    finally:
+        drafter.propose = original
+        drafter.settings = saved
+        drafter._cost_control = saved_control
+        drafter._kv_holes = saved_holes
+    return out
+
+
+def check_retirement(res: dict[str, Any], plain: list[list[int]]) -> None:
+    """What the tests assert on :func:`run_retirement`'s result."""
+    assert res["out"] == res["out_again"] == plain
+    n = len(plain)
+    # Every request of each run retired (the second run's too: its script goes hopeless).
+    assert res["holes"]["retired_requests"] == 2 * n, res["holes"]
+    for name in ("rounds", "rounds_again"):
+        rounds = res[name]
+        before = [r for r in rounds if not set(r[0]) & set(r[2])]
+        after = [r for r in rounds if set(r[0]) <= set(r[2])]
+        # Drafting before the hopeless stretch; once retired, nothing is drafted on the
+        # steps where the script says good again (and there were such steps).
+        assert any(any(d) for _, d, _ in before)
+        assert len(after) > 2
+        assert all(not any(d) for _, d, _ in after)
+    # The second run's requests are new: they drafted, whatever the first run's retired.
+    first_ids = {i for ids, _, _ in res["rounds"] for i in ids}
+    assert not first_ids & {i for ids, _, _ in res["rounds_again"] for i in ids}

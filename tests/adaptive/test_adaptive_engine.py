@@ -22,6 +22,7 @@ from engine_requests import (
     output_ids,
     run_counting_preemptions,
 )
+from idle_steps import check_retirement, run_retirement
 
 from vllm_specx.algorithms.draft_length import ConfidenceCalibration
 
@@ -258,6 +259,8 @@ def runs() -> dict[str, Any]:
             "cost_short_no_skip",
             lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
         del runner.drafter.skips_idle_first_pass
+        out["retire"] = run_retirement(llm, runner.drafter, K_MAX, prompts["short"],
+                                       greedy(NEW_TOKENS))
         out["cost_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
         out["cost_stops"] = output_ids(generate(llm, prompts["short"], [
             greedy(1), greedy(2), greedy(5), greedy(K_MAX + 1)]))
@@ -477,6 +480,13 @@ def test_steps_where_nobody_drafts_skip_the_drafter_and_catch_its_kv_up(runs):
     skip, no_skip = rounds("cost_short_rounds"), rounds("cost_short_no_skip_rounds")
     assert sum(not any(d) for _, d in skip) > 1
     assert skip == no_skip
+
+
+def test_a_request_idle_for_long_retires_from_drafting(runs):
+    """After ``retire_after`` skipped steps in a row (here 3) a request's draft KV upkeep
+    stops and it is planned nothing from then on, though its acceptance says drafting
+    would pay again; output equals no speculation, and new requests draft as usual."""
+    check_retirement(runs["retire"], runs["plain_short"])
 
 
 def test_cost_control_keeps_the_sampled_distribution(runs):

@@ -77,7 +77,7 @@ def _report(batch: int, on: float, off: float) -> dict:
             {"name": "baseline", "speculative_config": None},
             row("adaptive", {"method": "adaptive"}, on,
                 {"steps": 10, "all_zero_steps": 7,
-                 "idle_first_pass": {"skipped_first_passes": 6}}),
+                 "idle_first_pass": {"skipped_first_passes": 6, "retired_requests": 2}}),
             row("adaptive" + OFF_SUFFIX, {"method": "adaptive", "cost_control": False}, off),
             row("draft_model K=1", {"method": "draft_model"}, 0.9),
         ],
@@ -90,7 +90,7 @@ def test_rows_table_csv_and_plot(tmp_path: Path):
         (1, "adaptive", "on"), (1, "adaptive", "off"), (1, "draft_model K=1", "n/a"),
         (8, "adaptive", "on"), (8, "adaptive", "off"), (8, "draft_model K=1", "n/a")]
     assert rows[3]["measured_speedup"] == 0.98 and rows[4]["measured_speedup"] == 0.7
-    assert rows[3]["skipped_first_passes"] == 6
+    assert rows[3]["skipped_first_passes"] == 6 and rows[3]["retired_requests"] == 2
     table = sweep_table(rows)
     assert "| 8 | adaptive | on | 0.980 | 0.990 | 1.200 | 7 of 10 |" in table
     stem = tmp_path / "report"

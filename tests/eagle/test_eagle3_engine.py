@@ -28,7 +28,7 @@ from engine_requests import (
     output_ids,
     run_counting_preemptions,
 )
-from idle_steps import check_idle_steps, run_idle_steps
+from idle_steps import check_idle_steps, check_retirement, run_idle_steps, run_retirement
 
 pytestmark = pytest.mark.engine
 
@@ -182,6 +182,7 @@ def runs(target: str, eagle3_head: str,
         out["idle_many"], out["idle_preemptions"] = run_counting_preemptions(
             llm, lambda: run_idle_steps(llm, drafter, K, prompts["many"],
                                         greedy(IDLE_MANY_TOKENS)))
+        out["retire"] = run_retirement(llm, drafter, K, prompts["short"], greedy(NEW_TOKENS))
     finally:
         shutdown_llm(llm)
 
@@ -272,6 +273,14 @@ def test_steps_where_nobody_drafts_skip_the_heads_first_pass_and_catch_its_kv_up
     check_idle_steps(runs["idle_long"], runs["plain_long"])
     check_idle_steps(runs["idle_many"], runs["plain_many_idle"])
     assert runs["idle_preemptions"] > 0
+
+
+def test_a_request_idle_for_long_retires_from_drafting_and_output_is_unchanged(runs):
+    """A request that goes ``retire_after`` skipped steps in a row (here 3) stops its head
+    KV upkeep (nothing kept, no catch-up) and is planned zero drafts for the rest of its
+    life, even where its acceptance says drafting would pay again: no draft reads the
+    gaps. Greedy output equals no speculation; new requests afterwards draft as usual."""
+    check_retirement(runs["retire"], runs["plain_short"])
 
 
 def test_vllm_eagle3_with_the_head_stays_vllm_and_equals_no_speculation(runs):

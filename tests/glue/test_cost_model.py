@@ -119,6 +119,26 @@ def test_control_learns_acceptance_and_plans_zero_for_failing_drafts():
     assert control.describe()["partial_zero_steps"] > 0
 
 
+def test_a_retired_request_is_planned_nothing_however_good_its_drafts():
+    # DraftKVHoles.retired: requests whose draft KV upkeep stopped. Both requests' drafts
+    # are always accepted and drafting is cheap; the retired one is planned zero by the
+    # chain plan and the beam depth plan alike, and probes nothing.
+    retired: set[str] = set()
+    control = CostControl(4, retired=lambda: retired)
+    control.fixed_costs = StepCosts(1.0, 0.0, 0.05, 0.05, 0.02)
+    inner = ConfidenceStop(0.0, max_tokens=4)
+    ids = ("a", "b")
+    for step in range(3 * control.history.probe_interval):
+        if step == 5:
+            retired.add("b")
+        control.begin(ids, torch.tensor([0, 0]), None)
+        caps = control.plan(ids, 4, inner, torch.device("cpu")).caps.tolist()
+        depths = control.plan_depths(ids, 4, 1).tolist()
+        assert caps[0] > 0 and depths[0] > 0
+        assert (caps[1] > 0, depths[1] > 0) == (step < 5, step < 5)
+        control.end(ids, caps, 3, sum(caps))
+
+
 def test_control_learns_nothing_from_a_step_that_did_not_verify_the_drafts():
     # Round 1 drafts 4 for each; the next step verifies none of them (vLLM ran a step
     # without a round, or dropped the drafts): 2 requests, 2 target tokens, no rejections.
@@ -208,6 +228,13 @@ def test_bench_report_prints_the_cost_model():
     line = next(x for x in table.splitlines() if x.startswith("- cost control of adaptive cc"))
     assert "ms per draft token verified" in line and "measured online, 20 steps" in line
     assert "ms every round (drafting or not)" in line
+    assert "retired" not in line  # none retired: not said
+    stats = {**control.describe(),
+             "idle_first_pass": {"retired_requests": 7, "retire_after": 48}}
+    report["configs"][0]["drafter_stats"]["cost_control"] = stats
+    line = next(x for x in markdown_table(report).splitlines()
+                if x.startswith("- cost control of adaptive cc"))
+    assert "7 requests retired from drafting (idle for 48 skipped steps in a row" in line
 
 
 def test_cpu_backend_times_steps_by_this_process_cpu_time():

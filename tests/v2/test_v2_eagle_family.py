@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from idle_steps import check_idle_steps
+from idle_steps import check_idle_steps, check_retirement
 from v2_cases import GREEDY, MTP_TARGET, PROMPTS, TARGET, build_eagle3_head, heldout_prompts
 
 pytestmark = pytest.mark.engine
@@ -204,6 +204,19 @@ def run_idle(llm: Any, prompts: list[list[int]], k: int,
                           max_hole=max_hole, fresh_prefix_cache=True)
 
 
+def run_retire(llm: Any, prompts: list[list[int]], k: int) -> dict[str, Any]:
+    """Runs in the V2 host: tests/idle_steps.py's retirement runs of ``prompts`` (greedy,
+    MAX_TOKENS), from an empty prefix cache."""
+    from idle_steps import run_retirement
+    from vllm import SamplingParams
+
+    from vllm_specx.testing.v2_engine import runner_of
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"], ignore_eos=True)
+    return run_retirement(llm, runner_of(llm).speculator, k, prompts, params)
+
+
 @pytest.fixture(scope="module")
 def eagle3_adaptive(v2_engine, v2_host, tmp_path_factory) -> dict[str, Any]:
     """specx_eagle3 with the adaptive confidence stop on V2, over the test head (its
@@ -218,8 +231,10 @@ def eagle3_adaptive(v2_engine, v2_host, tmp_path_factory) -> dict[str, Any]:
     out, c = _delta(v2_host, "specx_eagle3",
                     lambda: v2_host.generate("specx_eagle3", PROMPTS, GREEDY))
     idle = v2_host.call("specx_eagle3", f"{__name__}:run_idle", heldout_prompts(), ADAPTIVE_K)
+    retire = v2_host.call("specx_eagle3", f"{__name__}:run_retire", heldout_prompts(),
+                          ADAPTIVE_K)
     v2_host.stop("specx_eagle3")
-    return {"description": d, "out": out, "counters": c, "idle": idle}
+    return {"description": d, "out": out, "counters": c, "idle": idle, "retire": retire}
 
 
 def test_specx_eagle3_adaptive_greedy_equals_no_speculation(eagle3_adaptive, v2_reference):
@@ -242,6 +257,13 @@ def test_steps_where_nobody_drafts_skip_the_eagle3_first_pass_on_v2(eagle3_adapt
     idle = eagle3_adaptive["idle"]
     check_idle_steps(idle, v2_heldout_reference)
     assert idle["holes"]["block_end_catch_ups"] > 0
+
+
+def test_a_request_idle_for_long_retires_from_drafting_on_v2(eagle3_adaptive, v2_heldout_reference):
+    """On V2 as on V1: after ``retire_after`` skipped steps in a row (here 3) a request's
+    head KV upkeep stops and it is planned nothing from then on; greedy output equals no
+    speculation, and new requests draft as usual."""
+    check_retirement(eagle3_adaptive["retire"], v2_heldout_reference)
 
 
 @pytest.fixture(scope="module")

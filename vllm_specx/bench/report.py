@@ -239,8 +239,17 @@ def cost_control_line(control: dict[str, Any]) -> str:
         f"only; pooled acceptance per position {control.get('pooled_acceptance')}"
         + (f"; request-rounds per depth {control['depth_histogram']}"
            if control.get("depth_histogram") else "")
+        + _retired_text(control.get("idle_first_pass"))
         + _calibration_text(control.get("confidence_calibration"))
     )
+
+
+def _retired_text(idle: Any) -> str:
+    """How many requests stopped their draft KV upkeep (``DraftKVHoles.retired``)."""
+    if not isinstance(idle, dict) or not idle.get("retired_requests"):
+        return ""
+    return (f"; {idle['retired_requests']} requests retired from drafting (idle for "
+            f"{idle.get('retire_after')} skipped steps in a row: no draft KV upkeep after)")
 
 
 def _calibration_text(calibration: Any) -> str:

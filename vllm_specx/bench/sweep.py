@@ -29,7 +29,8 @@ CSV_SUFFIX = "_batch_sweep.csv"
 PNG_SUFFIX = "_batch_sweep.png"
 CSV_FIELDS = ("batch_size", "name", "base_name", "cost_control", "measured_speedup",
               "cpu_speedup", "block_efficiency", "baseline_tokens_per_s",
-              "steps_drafting_nothing", "steps_planned", "skipped_first_passes")
+              "steps_drafting_nothing", "steps_planned", "skipped_first_passes",
+              "retired_requests")
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -112,6 +113,7 @@ def sweep_rows(reports: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                 "steps_drafting_nothing": control.get("all_zero_steps"),
                 "steps_planned": control.get("steps"),
                 "skipped_first_passes": idle.get("skipped_first_passes"),
+                "retired_requests": idle.get("retired_requests"),
                 "error": cfg.get("error"),
             })
     return rows

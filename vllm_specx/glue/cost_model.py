@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,8 +103,10 @@ def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
         return None
     if proposer._cost_control is None:
         configured = proposer.settings.get("num_speculative_tokens") or k_max
-        proposer._cost_control = CostControl(max(int(configured), k_max),
-                                             clock=engine_step_clock())
+        proposer._cost_control = CostControl(
+            max(int(configured), k_max), clock=engine_step_clock(),
+            # Requests whose draft KV upkeep stopped (DraftKVHoles.retired): never drafted.
+            retired=lambda: getattr(getattr(proposer, "_kv_holes", None), "retired", ()))
     return proposer._cost_control
 
 
@@ -512,8 +514,11 @@ class CostControlStats:
 class CostControl:
     """Per-step draft lengths for one chain drafter (see the module doc)."""
 
-    def __init__(self, k_max: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, k_max: int, clock: Callable[[], float] = time.perf_counter,
+                 retired: Callable[[], Container[str]] | None = None) -> None:
         self.k_max = k_max
+        # The requests that must draft nothing (their draft KV has gaps): planned zero.
+        self.retired = retired
         self.costs = MeasuredCosts(clock)
         self.history = AcceptanceHistory(k_max)
         # A fixed model (tests, or a user who measured theirs): used instead of the
@@ -566,15 +571,32 @@ class CostControl:
                                  if r in self._confidences}
             self.history.forget_except(req_ids)
 
+    def _rates(self, req_ids: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each request's acceptance rates for positions ``1..k`` (``[R, k]``), zero for a
+        retired request (no gain: it is planned nothing), and the retired rows' mask
+        (None: none retired)."""
+        rates = self.history.rates(req_ids)[:, :k]
+        gone = self.retired() if self.retired is not None else ()
+        if not gone:
+            return rates, None
+        mask = np.fromiter((rid in gone for rid in req_ids), dtype=bool, count=len(req_ids))
+        if not mask.any():
+            return rates, None
+        rates = rates.copy()
+        rates[mask] = 0.0
+        return rates, mask
+
     def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
              device: torch.device) -> RoundPlan:
         """This round's lengths and its stop rule (the cost stop over ``inner``)."""
         k = min(k_max, self.k_max)
-        rates = self.history.rates(req_ids)[:, :k]
+        rates, retired = self._rates(req_ids, k)
         costs = self.step_costs()
         choice = choose_draft_lengths(expected_gains(rates), costs)
         caps = self.history.probes(req_ids, choice.lengths,
                                    may_probe=probe_could_pay(choice, costs))
+        if retired is not None:
+            caps[retired] = 0
         self.stats.steps += 1
         self.stats.probes += int((caps > choice.lengths).sum())
         self.stats.planned_tokens += int(caps.sum())
@@ -622,11 +644,13 @@ class CostControl:
         ``probe_interval`` steps, where one sure token would pay) drafts one token. All
         zero: a plain decode step."""
         k = min(k_max, self.k_max)
-        rates = self.history.rates(req_ids)[:, :k]
+        rates, retired = self._rates(req_ids, k)
         costs = self.step_costs()
         choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths)
         caps = self.history.probes(req_ids, choice.lengths,
                                    may_probe=probe_could_pay(choice, costs))
+        if retired is not None:
+            caps[retired] = 0
         self.stats.steps += 1
         self.stats.probes += int((caps > choice.lengths).sum())
         self.stats.planned_tokens += int(caps.sum())

@@ -646,12 +646,33 @@ class DraftKVHoles:
     included: a skipped step catches up, for the requests whose hole reaches into such a
     block, the hole up to that block's end (committed tokens the runner holds), so no
     cached block lacks draft KV; the other requests cost nothing.
+
+    Retired requests: a request that has gone :attr:`retire_after` skipped steps in a row
+    (nobody drafted, and no probe would have paid) stops its draft KV upkeep for good:
+    no catch-up, nothing kept, and the cost control plans it zero drafts from then on
+    (``CostControl``'s ``retired``), so no draft ever reads its gaps. Where drafting
+    cannot pay at the batch size (batch 8-32 on a CPU host) the upkeep was all the
+    drafter still cost. Output stays the target's (verification decides every token);
+    what is given up is drafting for that request if the batch later shrinks, and, with
+    prefix caching, the draft KV of the blocks it fills after retiring: a later request
+    reusing them (a chat's next turn) drafts over those gaps, lossless, with fewer drafts
+    accepted, which its own acceptance history then shows.
     """
+
+    # Skipped steps in a row after which a request retires: three probe intervals
+    # (``AcceptanceHistory.probe_interval``), and short enough that a head's decode-only
+    # hole (one position a step, plus the verified rows of its first skipped step) stays
+    # within ``HeadKVHoles.max_hole`` (64) until then.
+    retire_after = 48
 
     def __init__(self, block_size: int, prefix_caching: bool) -> None:
         self.block_size = max(int(block_size), 1)
         self.prefix_caching = prefix_caching
         self.start: dict[str, int] = {}  # request id -> first position without draft KV
+        # Request id -> skipped steps in a row (its current run).
+        self.idle_steps: dict[str, int] = {}
+        self.retired: set[str] = set()  # requests without draft KV upkeep, never to draft
+        self.retirements = 0
         self.skipped_first_passes = 0
         self.block_end_catch_ups = 0  # skipped steps that caught up blocks vLLM caches
         self.catch_up_steps = 0  # first passes preceded by a catch-up
@@ -674,6 +695,12 @@ class DraftKVHoles:
         spans: dict[int, list[int]] = {}
         for i, (rid, q, n, c) in enumerate(zip(req_ids, first_pos.tolist(),
                                                query_lens.tolist(), committed.tolist())):
+            if rid in self.retired:
+                continue
+            if self.retires(rid):
+                self._retire(rid)
+                continue
+            self.idle_steps[rid] = self.idle_steps.get(rid, 0) + 1
             # min: a request recomputed from before its hole (resumed after preemption)
             # lacks draft KV from its first query position on.
             h = min(self.start.get(rid, int(q)), int(q))
@@ -687,9 +714,28 @@ class DraftKVHoles:
             self.block_end_catch_ups += 1
             self._catch_up_spans(proposer, cad, len(req_ids), spans, token_ids_cpu)
         self.skipped_first_passes += 1
-        if len(self.start) > 4 * max(len(req_ids), 64):
+        if len(self.start) + len(self.idle_steps) + len(self.retired) > 4 * max(len(req_ids),
+                                                                               64):
             # Finished requests never come back: keep the batch's.
+            live = set(req_ids)
             self.start = {r: self.start[r] for r in req_ids if r in self.start}
+            self.idle_steps = {r: c for r, c in self.idle_steps.items() if r in live}
+            self.retired &= live
+
+    def retires(self, rid: str) -> bool:
+        """Whether one more skipped step takes request ``rid`` to :attr:`retire_after`."""
+        return self.idle_steps.get(rid, 0) + 1 >= self.retire_after
+
+    def _retire(self, rid: str) -> None:
+        self.retired.add(rid)
+        self.retirements += 1
+        self.start.pop(rid, None)
+        self.idle_steps.pop(rid, None)
+        self.forget(rid)
+
+    def forget(self, rid: str) -> None:
+        """A request retired: drop what the record keeps for its catch-ups (nothing beyond
+        its hole's start, for a draft model)."""
 
     def may_skip(self, proposer: SpecxPasses, req_ids: Sequence[str], first_pos: np.ndarray,
                  query_lens: np.ndarray) -> bool:
@@ -713,6 +759,8 @@ class DraftKVHoles:
         committed tokens right-aligned so its last one sits just before where the row's
         piece ends), in one pass when the drafter's token buffer holds them all, else in
         passes that each take the next piece of every row (a row's pieces in order)."""
+        for rid in req_ids:  # the first pass runs: nobody's run of skipped steps goes on
+            self.idle_steps.pop(rid, None)
         if not self.start:
             return
         todo: dict[int, list[int]] = {}  # batch row -> [next position to write, Q]
@@ -788,4 +836,6 @@ class DraftKVHoles:
                 "block_end_catch_ups": self.block_end_catch_ups,
                 "catch_up_steps": self.catch_up_steps,
                 "catch_up_passes": self.catch_up_passes,
-                "catch_up_tokens": self.catch_up_tokens}
+                "catch_up_tokens": self.catch_up_tokens,
+                "retired_requests": self.retirements,
+                "retire_after": self.retire_after}

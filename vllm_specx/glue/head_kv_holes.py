@@ -15,8 +15,9 @@ pass (EAGLE-3: through the ``fc`` first; no logits), so the head's KV, and every
 after, is what it would have been without the skip.
 
 Bounds: a request keeps at most :attr:`HeadKVHoles.max_hole` positions; a step that would
-take one past it (a long prefill chunk, or a long run of skipped steps without prefix
-caching) is not skipped: its first pass runs and first catches up what is kept. With prefix
+take one past it (a long prefill chunk) is not skipped: its first pass runs and first
+catches up what is kept. A long run of skipped steps retires the request instead
+(``DraftKVHoles.retire_after``): nothing more is kept for it, and it drafts no more. With prefix
 caching, blocks vLLM caches are caught up when they complete (as for a draft model), so a
 request keeps at most a block plus a step. Entries of requests the runner no longer holds
 (finished) are dropped; a request recomputed from before its hole (resumed after
@@ -102,6 +103,8 @@ class HeadKVHoles(DraftKVHoles):
                 or getattr(proposer, "use_heterogeneous_vocab", False)):
             return False
         for rid, q, n in zip(req_ids, first_pos.tolist(), query_lens.tolist()):
+            if rid in self.retired or self.retires(rid):
+                continue  # nothing kept: skip() retires it
             kept = self.kept.get(rid)
             held = 0
             if kept is not None:
@@ -113,6 +116,9 @@ class HeadKVHoles(DraftKVHoles):
                 self.refused_skips += 1
                 return False
         return True
+
+    def forget(self, rid: str) -> None:
+        self.kept.pop(rid, None)
 
     def keep_first_pass_inputs(self, proposer: Any, req_ids: Sequence[str],
                                target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
@@ -170,6 +176,8 @@ class HeadKVHoles(DraftKVHoles):
             q, m = int(first_pos[i]), int(lens[i])
             tokens, hidden = step_tokens[off:off + m], step_hidden[off:off + m]
             off += m
+            if rid in self.retired:
+                continue
             kept = self.kept.get(rid)
             if kept is None or kept.end != q:
                 kept = self.kept[rid] = _Kept(q, [], [])
