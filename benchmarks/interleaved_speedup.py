@@ -144,6 +144,14 @@ def main() -> int:
             "same_output_as_none": (outputs[name] == outputs["none"]
                                     if args.temperature == 0 else None),
         })
+    from vllm_specx.bench.engine_run import read_drafter_stats
+    from vllm_specx.bench.report import cost_control_line
+
+    for row, (_, llm, _) in zip(result, engines):
+        stats, _ = read_drafter_stats(llm)
+        control = (stats or {}).get("cost_control")
+        if control:  # the cost model the row ended with (over all its runs)
+            row["cost_control"] = cost_control_line(control)
     for _, llm, _ in engines:
         shutdown_llm(llm)
     report = {"pair": args.pair, "dtype": overrides.get("dtype", default_dtype()),
@@ -159,6 +167,8 @@ def main() -> int:
               f"(spread {100 * r['spread']:.1f}%)  cpu {r['cpu_ms_per_token']:7.3f} ms/token  "
               f"steps {r['engine_steps']}  async {r['async_scheduling']}  "
               f"same {r['same_output_as_none']}", file=sys.stderr)
+        if r.get("cost_control"):
+            print(f"    cost control: {r['cost_control']}", file=sys.stderr)
     return 0
 
 

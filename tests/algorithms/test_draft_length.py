@@ -211,6 +211,45 @@ def test_cost_stop_over_always_continue_follows_caps_when_threshold_is_zero():
     assert torch.minimum(lengths, rule.row_caps).tolist() == [0, 1, 3, 4]
 
 
+def _reference_tau2(n: np.ndarray, a: np.ndarray) -> float:
+    """The method-of-moments between-request variance, spelled out request by request."""
+    p = sum(a) / sum(n)
+    total = sum(n)
+    spread = sum(ni * (ai / ni - p) ** 2 for ni, ai in zip(n, a)) - (len(n) - 1) * p * (1 - p)
+    return spread / (total - sum(ni * ni for ni in n) / total)
+
+
+@pytest.mark.parametrize("case", ["alike", "different"])
+def test_requests_that_do_not_differ_share_the_pooled_rate(case):
+    # 16 requests, 40 one-token drafts each: all at 0.2 ("alike": a request's own streaks
+    # are noise, so its rate is the pooled one), or half at 0.05 and half at 0.8
+    # ("different": each keeps its own).
+    rng = np.random.default_rng(3)
+    h = AcceptanceHistory(2, decay=0.97)
+    true = {f"r{i}": (0.2 if case == "alike" else (0.05, 0.8)[i % 2]) for i in range(16)}
+    for _ in range(40):
+        ids = list(true)
+        h.observe_many(ids, [1] * 16, [int(rng.random() < true[r]) for r in ids])
+    rows = len(h._slot)
+    n, a = h._tried[:rows, 0], h._accepted[:rows, 0]
+    tau2 = _reference_tau2(n, a)
+    weight = h.request_weight_now()
+    rates = h.rates(list(true))[:, 0]
+    if case == "alike":
+        assert weight > 100 and (tau2 <= 0 or weight == pytest.approx(
+            min(0.2 * 0.8 / tau2 - 1, 200), rel=0.3))
+        assert np.abs(rates - rates.mean()).max() < 0.03
+    else:
+        assert weight == h.request_weight == 12.0
+        low = [rates[i] for i in range(16) if i % 2 == 0]
+        assert max(low) < 0.3 < 0.6 < min(rates[i] for i in range(16) if i % 2 == 1)
+    # Fewer than four requests with a few tries each: the configured weight.
+    few = AcceptanceHistory(2)
+    for _ in range(10):
+        few.observe_many(["x", "y", "z"], [1, 1, 1], [0, 1, 0])
+    assert few.request_weight_now() == few.request_weight
+
+
 def test_acceptance_history_rates_and_probes():
     h = AcceptanceHistory(3, prior=0.5, prior_weight=1.0, decay=1.0, pooled_decay=1.0,
                           probe_interval=3, request_weight=1.0)
