@@ -87,24 +87,10 @@ def main() -> int:
     ensure_cpu_env()
     from vllm import SamplingParams
 
-    overrides: dict[str, Any] = {"max_num_seqs": args.batch}
-    if args.pair == "real":
-        from vllm_specx import real_pair
-        from vllm_specx.bench.prompts import read_jsonl
+    from vllm_specx.bench.pairs import pair_inputs
 
-        target = str(real_pair.ensure_target())
-        draft = str(real_pair.draft_dir())
-        prompts = read_jsonl(real_pair.HELDOUT_PROMPTS, args.prompts).prompts
-        overrides["kv_cache_memory_bytes"] = 256 << 20
-    else:
-        from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
-
-        target_p, draft_p = fixture_model_dirs()
-        target, draft = str(target_p), str(draft_p)
-        prompts = [p["prompt"] if isinstance(p, dict) else p
-                   for p in heldout_prompts(args.prompts)]
-    while len(prompts) < args.prompts:  # a batch larger than the prompt file: repeat it
-        prompts = prompts + prompts[: args.prompts - len(prompts)]
+    target, draft, prompts, pair_overrides = pair_inputs(args.pair, args.prompts)
+    overrides: dict[str, Any] = {"max_num_seqs": args.batch, **pair_overrides}
     overrides.update(args.engine_args)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=0 if args.temperature > 0 else None)

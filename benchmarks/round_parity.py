@@ -144,23 +144,14 @@ def main() -> int:
     ensure_cpu_env()
     overrides: dict[str, Any] = {"max_num_seqs": 1}
     eagle3 = None
-    if args.pair == "real":
+    from vllm_specx.bench.pairs import pair_inputs
+
+    target, draft, prompts, pair_overrides = pair_inputs(args.pair, args.prompts)
+    overrides.update(pair_overrides)
+    if args.eagle3 and args.pair == "real":
         from vllm_specx import real_pair
-        from vllm_specx.bench.prompts import read_jsonl
 
-        target = str(real_pair.ensure_target())
-        draft = str(real_pair.draft_dir())
-        if args.eagle3:
-            eagle3 = str(real_pair.eagle3_dir())
-        prompts = read_jsonl(real_pair.HELDOUT_PROMPTS, args.prompts).prompts
-        overrides["kv_cache_memory_bytes"] = 256 << 20
-    else:
-        from vllm_specx.fixtures import fixture_model_dirs, heldout_prompts
-
-        target_p, draft_p = fixture_model_dirs()
-        target, draft = str(target_p), str(draft_p)
-        prompts = [p["prompt"] if isinstance(p, dict) else p
-                   for p in heldout_prompts(args.prompts)]
+        eagle3 = str(real_pair.eagle3_dir())
     overrides.update(args.engine_args)
     configs = _configs(draft, args.k, eagle3)
     if args.only:

@@ -40,6 +40,22 @@ class ScriptedIdleRates:
         return out
 
 
+def scripted_control(drafter: Any, k: int, rates: Any) -> Any:
+    """A new cost control on ``drafter`` (what one run learns, acceptance or calibration,
+    must not change another's plans) with a fixed cost model, no probes (zero means zero)
+    and ``rates`` standing in for its acceptance history's."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    drafter._cost_control = None
+    control = drafter.cost_control(k)
+    # A memory-bound target: a good request's drafts pay, a hopeless one's never.
+    control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                    target_per_token=0.02, draft_pass=0.02, draft_row=0.01)
+    control.history.probe_interval = 10**9
+    control.history.rates = rates
+    return control
+
+
 def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              drafts: Any) -> tuple[list[str], list[list[int]]]:
     """One ``propose`` call's request ids and drafts, on either runner: V1's proposers
@@ -71,7 +87,6 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     steps. The drafter's settings are restored afterwards. Runs where the engine is: a
     V1 engine in the test process, or a Model Runner V2 one in the V2 host (its
     speculator as ``drafter``)."""
-    from vllm_specx.algorithms.draft_length import StepCosts
 
     saved = dict(drafter.settings)
     original = drafter.propose
@@ -99,17 +114,7 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     saved_control = drafter._cost_control
 
     def fresh_control() -> Any:
-        # A new control per run: what one run learns (acceptance, calibration) must not
-        # change the other's plans.
-        drafter._cost_control = None
-        control = drafter.cost_control(k)
-        # A memory-bound target: a good request's drafts pay, a hopeless one's never.
-        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
-                                        target_per_token=0.02, draft_pass=0.02,
-                                        draft_row=0.01)
-        control.history.probe_interval = 10**9  # no probes: zero means zero
-        control.history.rates = ScriptedIdleRates(k)
-        return control
+        return scripted_control(drafter, k, ScriptedIdleRates(k))
 
     drafter._kv_holes = None  # a fresh hole record: its stats are this call's
     holes = drafter.kv_holes()
@@ -210,8 +215,6 @@ def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     before it (``rounds`` / ``rounds_again``), and the hole record's stats. The drafter's
     settings are restored afterwards; V1 engine or Model Runner V2 host, as
     :func:`run_idle_steps`."""
-    from vllm_specx.algorithms.draft_length import StepCosts
-
     saved = dict(drafter.settings)
     saved_control = drafter._cost_control
     original = drafter.propose
@@ -229,14 +232,8 @@ def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
             rounds.append((ids, d, retired))
         return drafts
 
-    def fresh_control() -> None:
-        drafter._cost_control = None
-        control = drafter.cost_control(k)
-        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
-                                        target_per_token=0.02, draft_pass=0.02,
-                                        draft_row=0.01)
-        control.history.probe_interval = 10**9
-        control.history.rates = ScriptedRetirement(k, hopeless=retire_after + 3)
+    def fresh_control() -> Any:
+        return scripted_control(drafter, k, ScriptedRetirement(k, hopeless=retire_after + 3))
 
     out: dict[str, Any] = {}
     drafter.settings = {**saved, "cost_control": True}

@@ -73,6 +73,28 @@ def test_choice_matches_brute_force_on_random_costs_and_rates():
     assert all_zero > 10 and some_zero > 10 and max(seen_lengths) >= 3
 
 
+def test_choice_with_a_minimum_gain_drafts_only_where_the_best_plan_clears_it():
+    # min_gain m: the brute-force best plan where its rate beats the plain step's by more
+    # than m, else nobody drafts.
+    rng = np.random.default_rng(5)
+    kept = dropped = 0
+    for _ in range(200):
+        num_reqs, k = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        gains = expected_gains(rng.uniform(0, 1, size=(num_reqs, k)))
+        caps = [k] * num_reqs
+        costs = _random_costs(rng)
+        plain = num_reqs / costs.step_time([0] * num_reqs)
+        best = _brute_force(gains, costs, caps)
+        choice = choose_draft_lengths(gains, costs, caps, min_gain=0.05)
+        if best > plain * 1.05 * (1 + 1e-9):
+            assert choice.rate == pytest.approx(best, rel=1e-9)
+            kept += int(choice.lengths.any())
+        elif best < plain * 1.05 * (1 - 1e-9):
+            assert not choice.lengths.any() and choice.rate == pytest.approx(plain)
+            dropped += int(best > plain * (1 + 1e-9))  # a plan that paid, below the bar
+    assert kept > 10 and dropped > 3
+
+
 def test_choice_extremes():
     gains = expected_gains(np.full((3, 4), 0.9))
     free = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0)

@@ -493,12 +493,14 @@ def test_a_skipped_first_pass_is_priced_with_the_catch_up_it_leaves():
     # per position is what a skipped step leaves behind per request, so a plan whose
     # drafting barely loses against a free skip drafts once the skip is priced.
     model, clock = _started()
-    for _ in range(20):
+    for i in range(21):
         clock.now += 0.010
         model.round_begins(2, 0)
         model.round_ends(False, 0, 0)
-        model.exclude(0.004, positions=8)  # 0.5 ms a position, left out of the interval
-        clock.now += 0.004
+        positions = (4, 8, 12)[i % 3]
+        # 0.5 ms a position, left out of the interval
+        model.exclude(0.0005 * positions, positions=positions)
+        clock.now += 0.0005 * positions
     assert model.step_costs().skip_debt == pytest.approx(0.0005)
     assert model.describe()["round_ms"]["skip_debt_per_request"] == pytest.approx(0.5)
     gains = np.array([[0.1], [0.1]])  # two requests, one token each at 0.1 acceptance
@@ -507,10 +509,30 @@ def test_a_skipped_first_pass_is_priced_with_the_catch_up_it_leaves():
     priced_skip = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=0.105, skip_debt=0.01)
     assert choose_draft_lengths(gains, free_skip).lengths.tolist() == [0, 0]
     assert choose_draft_lengths(gains, priced_skip).lengths.tolist() == [1, 1]
-    # A probe's step spares the catch-up too: where the round alone costs more than a
-    # sure token earns, a debt that covers most of it lets the probe pay.
+    # A probe is judged on its own token: the debt it would spare the batch does not make
+    # it pay (counted, it set off probes every other step at batch 8).
     dear = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=3.0)
-    nobody = choose_draft_lengths(gains, dear)
-    assert not probe_could_pay(nobody, dear)
+    assert not probe_could_pay(choose_draft_lengths(gains, dear), dear)
     indebted = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=3.0, skip_debt=1.2)
-    assert probe_could_pay(choose_draft_lengths(gains, indebted), indebted)
+    assert not probe_could_pay(choose_draft_lengths(gains, indebted), indebted)
+
+
+
+def test_the_skip_debt_is_a_catch_ups_cost_per_position_not_its_passes():
+    # Catch-up passes cost 3 ms each plus 0.2 ms a position, and write 1 to 16 positions:
+    # one more skipped step adds positions, not a pass, so it is priced at the slope
+    # (0.2 ms), not at the average (which a run of one-position catch-ups drives to 3 ms).
+    model, _ = _started()
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        positions = int(rng.choice([1, 1, 1, 8, 16]))
+        model.exclude(0.003 + 0.0002 * positions, positions=positions)
+    assert model.step_costs().skip_debt == pytest.approx(0.0002, rel=1e-6)
+    assert model.catch_up_seconds / model.catch_up_positions > 0.0005
+    # Passes all of one size say nothing of the slope: the average, as before.
+    same, _ = _started()
+    for _ in range(50):
+        same.exclude(0.004, positions=8)
+    assert same.skip_debt() == pytest.approx(0.0005)
+    # ... unless a lookahead row is known to cost less: a catch-up's rows are such rows.
+    assert same.skip_debt(row_cost=0.0002) == pytest.approx(0.0002)

@@ -174,6 +174,7 @@ def choose_draft_lengths(
     caps: Sequence[int] | np.ndarray | None = None,
     max_iterations: int = 32,
     widths: Sequence[int] | np.ndarray | int | None = None,
+    min_gain: float = 0.0,
 ) -> LengthChoice:
     """Each request's draft length maximising expected tokens per second of the step.
 
@@ -185,7 +186,8 @@ def choose_draft_lengths(
     of a beam round runs to its own depth and leaves the later passes
     (``beam_draft.beam_search_batched``'s ``row_depth``), so its cost is the chain's with
     ``widths[r]`` rows per pass (:meth:`StepCosts.step_time`) and the same exact search
-    applies."""
+    applies. ``min_gain``: the best plan is kept only if its rate beats the plain step's
+    by more than that fraction; otherwise nobody drafts."""
     g = np.asarray(gains, dtype=np.float64)
     num_reqs, k = g.shape
     cap = np.full(num_reqs, k, dtype=np.int64) if caps is None else np.minimum(
@@ -208,6 +210,9 @@ def choose_draft_lengths(
         if not cand_rate > rate * (1.0 + 1e-12):
             break
         lengths, rate = candidate, cand_rate
+    plain_rate = num_reqs / plain
+    if lengths.any() and not rate > plain_rate * (1.0 + min_gain):
+        lengths, rate = np.zeros(num_reqs, dtype=np.int64), plain_rate
     return LengthChoice(lengths, rate, expected_tokens(g, lengths),
                         costs.step_time(lengths, w))
 

@@ -70,6 +70,12 @@ PRIOR_TARGET = (1.0, 0.02, 0.05, 0.02)  # base, per request, per draft token, an
 _PRIOR_TARGET = np.array(PRIOR_TARGET)
 # always (the plan's own host work), anyone drafts, per lookahead pass, per row
 PRIOR_ROUND = (0.01, 0.05, 0.08, 0.01)
+# A plan drafts only if the model expects it to beat a plain step's rate by more than
+# this fraction. The model's drafting steps come out dearer than fitted, and the requests
+# it picks accept less than their estimate (chosen for being above it): on the real pair
+# at batch 8, T = 0, specx_eagle3's plan expected +0.6% and drafted on most steps; the
+# run was 12% slower than not drafting (2026-11-26 16:32 UTC, docs/cost-control.md).
+MIN_PLAN_GAIN = 0.03
 PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
 FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
 # Outliers, judged against the typical step rather than the fit (which an outlier moves):
@@ -279,6 +285,11 @@ class MeasuredCosts:
         # skipped first pass leaves to be paid per position (StepCosts.skip_debt).
         self.catch_up_seconds = 0.0
         self.catch_up_positions = 0.0
+        # ... and for the marginal cost per position (skip_debt): the decayed count of
+        # catch-up passes and the sums of positions^2 and positions * seconds.
+        self.catch_up_passes = 0.0
+        self.catch_up_positions_sq = 0.0
+        self.catch_up_cross = 0.0
 
     def _prior_target(self) -> np.ndarray:
         return _PRIOR_TARGET * (self.scale or 1.0)
@@ -395,8 +406,35 @@ class MeasuredCosts:
         that, not all of it."""
         self._excluded += seconds
         if positions > 0:
-            self.catch_up_seconds = CATCH_UP_DECAY * self.catch_up_seconds + seconds
-            self.catch_up_positions = CATCH_UP_DECAY * self.catch_up_positions + positions
+            d = CATCH_UP_DECAY
+            self.catch_up_seconds = d * self.catch_up_seconds + seconds
+            self.catch_up_positions = d * self.catch_up_positions + positions
+            self.catch_up_passes = d * self.catch_up_passes + 1.0
+            self.catch_up_positions_sq = d * self.catch_up_positions_sq + positions * positions
+            self.catch_up_cross = d * self.catch_up_cross + positions * seconds
+
+    def skip_debt(self, row_cost: float = 0.0) -> float:
+        """Seconds per position a skipped first pass leaves to a later catch-up: the
+        slope of the catch-ups' seconds against the positions they wrote (a pass costs a
+        fixed part plus a part per position; one more skipped step adds positions, not a
+        pass), at most the average per position. Where the passes' sizes barely vary the
+        slope cannot be told from them: then the average, but no more than ``row_cost``
+        (the round's fitted cost of a lookahead row, a catch-up's rows being of that kind)
+        where that is known. Why not the average: a catch-up of one position per request
+        (the step before drafted) costs nearly a whole draft pass, and at batch 8 on the
+        real pair that priced a skipped step at 3.2 ms per request: the plan then drafted
+        for some request on 364 of 492 steps to spare it, and ran 0.86x of no speculation
+        where drafting nothing ran about 1.0x (2026-11-26 16:52 UTC)."""
+        if self.catch_up_positions <= 0.0:
+            return 0.0
+        average = self.catch_up_seconds / self.catch_up_positions
+        n = self.catch_up_passes
+        mean = self.catch_up_positions / n
+        variance = self.catch_up_positions_sq / n - mean * mean
+        if n < 3.0 or variance < 0.25:
+            return min(average, row_cost) if row_cost > 0.0 else average
+        slope = (self.catch_up_cross / n - mean * self.catch_up_seconds / n) / variance
+        return float(min(max(slope, 0.0), average))
 
     def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
         now = self.clock()
@@ -437,8 +475,7 @@ class MeasuredCosts:
         t, r = self._thetas()
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
-        debt = (self.catch_up_seconds / self.catch_up_positions
-                if self.catch_up_positions > 0 else 0.0)
+        debt = self.skip_debt(row_cost=float(r[3]))
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
                          target_per_token=float(t[2]), draft_pass=float(r[2]),
                          draft_row=float(r[3]), draft_round=float(r[1] + t[3]),
@@ -480,13 +517,18 @@ def probe_could_pay(choice: LengthChoice, costs: StepCosts) -> bool:
     on the real pair at batch 32 a probe step cost about 0.9 of a step for the 0.38
     token its probe earned), probing only costs, and its answer could not change the
     plan; the request stays due and probes once it could pay (the batch shrinks, or
-    others draft). A probe that makes the step a drafting one also spares the catch-up
-    the skipped first pass would have left (``skip_debt`` per request)."""
-    if choice.lengths.any():
-        extra = costs.target_per_token
-    else:
-        extra = (costs.target_per_token + costs.draft_round
-                 - costs.skip_debt * len(choice.lengths))
+    others draft).
+
+    The catch-up a skipped step leaves (``skip_debt``) is not counted as spared by a probe:
+    with it a probe at batch 8 spared eight requests' debt and paid wherever one token
+    nearly paid on its own; probes then ran every other step, each leaving holes of a
+    position or two whose catch-ups (nearly a whole pass each) kept the debt high, and
+    `adaptive` drafted for some request on 338 of 491 steps at 0.87x of no speculation
+    (real pair, T = 0, 2026-11-26 17:00 UTC). Where nobody drafts for long the debt is
+    never paid at all (the request retires, ``DraftKVHoles.retire_after``)."""
+    extra = costs.target_per_token
+    if not choice.lengths.any():
+        extra += costs.draft_round
     return 1.0 > extra * choice.rate
 
 
@@ -592,7 +634,7 @@ class CostControl:
         k = min(k_max, self.k_max)
         rates, retired = self._rates(req_ids, k)
         costs = self.step_costs()
-        choice = choose_draft_lengths(expected_gains(rates), costs)
+        choice = choose_draft_lengths(expected_gains(rates), costs, min_gain=MIN_PLAN_GAIN)
         caps = self.history.probes(req_ids, choice.lengths,
                                    may_probe=probe_could_pay(choice, costs))
         if retired is not None:
@@ -646,7 +688,8 @@ class CostControl:
         k = min(k_max, self.k_max)
         rates, retired = self._rates(req_ids, k)
         costs = self.step_costs()
-        choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths)
+        choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths,
+                                      min_gain=MIN_PLAN_GAIN)
         caps = self.history.probes(req_ids, choice.lengths,
                                    may_probe=probe_could_pay(choice, costs))
         if retired is not None:
