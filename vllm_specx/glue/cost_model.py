@@ -71,10 +71,10 @@ _PRIOR_TARGET = np.array(PRIOR_TARGET)
 # always (the plan's own host work), anyone drafts, per lookahead pass, per row
 PRIOR_ROUND = (0.01, 0.05, 0.08, 0.01)
 # A plan drafts only if the model expects it to beat a plain step's rate by more than
-# this fraction. The model's drafting steps come out dearer than fitted, and the requests
-# it picks accept less than their estimate (chosen for being above it): on the real pair
-# at batch 8, T = 0, specx_eagle3's plan expected +0.6% and drafted on most steps; the
-# run was 12% slower than not drafting (2026-11-26 16:32 UTC, docs/cost-control.md).
+# this fraction: near the break-even the requests it picks are picked for estimates above
+# their true rate. Real pair, batch 1, T = 1, `adaptive` (interleaved runs, 2026-11-26
+# 16:18-16:48 UTC, docs/cost-control.md): 0.951x of no speculation without the margin,
+# 0.974x with it.
 MIN_PLAN_GAIN = 0.03
 PRIOR_WEIGHT = 0.5  # pseudo-observations' total weight; never decays
 FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
@@ -613,28 +613,24 @@ class CostControl:
                                  if r in self._confidences}
             self.history.forget_except(req_ids)
 
-    def _rates(self, req_ids: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Each request's acceptance rates for positions ``1..k`` (``[R, k]``), zero for a
-        retired request (no gain: it is planned nothing), and the retired rows' mask
-        (None: none retired)."""
+    def _choose(self, req_ids: Sequence[str], k: int,
+                widths: Sequence[int] | np.ndarray | int | None = None,
+                ) -> tuple[np.ndarray, StepCosts, LengthChoice, np.ndarray]:
+        """The step's choice for the chain plan and the beam depth plan alike: each
+        request's acceptance rates for positions ``1..k`` (``[R, k]``; zero for a retired
+        request: no gain, it is planned nothing), the costs, the exact length choice, and
+        the caps (the choice with the probes due, retired requests at zero); counted in
+        the stats."""
         rates = self.history.rates(req_ids)[:, :k]
         gone = self.retired() if self.retired is not None else ()
-        if not gone:
-            return rates, None
-        mask = np.fromiter((rid in gone for rid in req_ids), dtype=bool, count=len(req_ids))
-        if not mask.any():
-            return rates, None
-        rates = rates.copy()
-        rates[mask] = 0.0
-        return rates, mask
-
-    def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
-             device: torch.device) -> RoundPlan:
-        """This round's lengths and its stop rule (the cost stop over ``inner``)."""
-        k = min(k_max, self.k_max)
-        rates, retired = self._rates(req_ids, k)
+        retired = (np.fromiter((rid in gone for rid in req_ids), dtype=bool,
+                               count=len(req_ids)) if gone else None)
+        if retired is not None and retired.any():
+            rates = rates.copy()
+            rates[retired] = 0.0
         costs = self.step_costs()
-        choice = choose_draft_lengths(expected_gains(rates), costs, min_gain=MIN_PLAN_GAIN)
+        choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths,
+                                      min_gain=MIN_PLAN_GAIN)
         caps = self.history.probes(req_ids, choice.lengths,
                                    may_probe=probe_could_pay(choice, costs))
         if retired is not None:
@@ -644,11 +640,19 @@ class CostControl:
         self.stats.planned_tokens += int(caps.sum())
         if not caps.any():
             self.stats.all_zero_steps += 1
+        elif not caps.all():
+            self.stats.partial_zero_steps += 1
+        return rates, costs, choice, caps
+
+    def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
+             device: torch.device) -> RoundPlan:
+        """This round's lengths and its stop rule (the cost stop over ``inner``)."""
+        k = min(k_max, self.k_max)
+        rates, costs, choice, caps = self._choose(req_ids, k)
+        if not caps.any():
             # Nobody drafts: no rule runs (a drafter that planned before its first pass
             # skips the round; one that did not returns before its first draw).
             return RoundPlan(inner, torch.zeros(len(req_ids), dtype=torch.int64), choice.rate)
-        if not caps.all():
-            self.stats.partial_zero_steps += 1
         threshold = choice.rate * (costs.target_per_token + costs.draft_row)
         if isinstance(inner, HeadStop):
             signal, head = "head", inner.head
@@ -685,24 +689,9 @@ class CostControl:
         widths (``choose_draft_lengths``). A request due a probe (idle for
         ``probe_interval`` steps, where one sure token would pay) drafts one token. All
         zero: a plain decode step."""
-        k = min(k_max, self.k_max)
-        rates, retired = self._rates(req_ids, k)
-        costs = self.step_costs()
-        choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths,
-                                      min_gain=MIN_PLAN_GAIN)
-        caps = self.history.probes(req_ids, choice.lengths,
-                                   may_probe=probe_could_pay(choice, costs))
-        if retired is not None:
-            caps[retired] = 0
-        self.stats.steps += 1
-        self.stats.probes += int((caps > choice.lengths).sum())
-        self.stats.planned_tokens += int(caps.sum())
+        _, _, _, caps = self._choose(req_ids, min(k_max, self.k_max), widths)
         for depth, count in zip(*np.unique(caps, return_counts=True)):
             self.stats.depths[int(depth)] = self.stats.depths.get(int(depth), 0) + int(count)
-        if not caps.any():
-            self.stats.all_zero_steps += 1
-        elif not caps.all():
-            self.stats.partial_zero_steps += 1
         return caps
 
     def end(self, req_ids: Sequence[str] | None, lengths: Sequence[int], passes: int,
