@@ -6,7 +6,8 @@ during the run favours one of them.
 no-speculation runs; on a host whose speed drifts by several percent within a run, the
 row that ran on the faster stretch wins (docs/cost-control.md, "Acceptance kept longer and
 depth decided online"). Here every configuration gets its own in-process engine, all alive
-at once, each warmed up by one untimed request, and then the timed passes go
+at once, each warmed up by an untimed pass of every prompt for 8 tokens (the batch's own
+shapes, and the prompts' prefix cache, before the first timed pass), and then the timed passes go
 ``none A B none A B ...``: each speed-up is the median of the repeats' tokens/s over the
 no-speculation engine's median, with the spread of the repeats beside it::
 
@@ -20,6 +21,16 @@ e.g. ``{"async_scheduling": false}``); ``{"method": "none"}`` is no speculation 
 no-speculation engine with other engine arguments, say). The first row is always vLLM
 without speculation, with ``--engine-args`` only. Greedy (``--temperature 0``) rows
 report whether their tokens equal that row's.
+
+Every prompt runs ``--max-tokens`` tokens (``ignore_eos``): with ``--prompts`` equal to
+``--batch`` that is one closed batch, all of whose requests finish together without
+speculation, and whose makespan a speculative run stretches (the requests that accept less
+finish last, on a shrinking batch). ``--min-tokens N`` spreads the prompts' lengths evenly
+from ``N`` to ``--max-tokens`` (shuffled): with several times ``--batch`` prompts, freed
+slots take the next request at different steps, as in a server's stream::
+
+    python benchmarks/interleaved_speedup.py --pair real --batch 8 --prompts 32 \
+      --min-tokens 16 --max-tokens 128 --config '{"method": "adaptive"}'
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ import statistics
 import sys
 import time
 from typing import Any
+
+import numpy as np
 
 
 def _parse_config(text: str) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
@@ -44,13 +57,16 @@ def _parse_config(text: str) -> tuple[str, dict[str, Any] | None, dict[str, Any]
     return name, (None if cfg["method"] == "none" else cfg), engine_args
 
 
-def _run(llm: Any, prompts: list[str], params: Any) -> tuple[float, float, int, int, list]:
-    """All prompts at once (the engine's ``max_num_seqs`` sets the batch): wall and CPU
-    seconds, engine steps, generated tokens, and the token ids per prompt."""
+def _run(llm: Any, prompts: list[str], params: Any | list[Any],
+         ) -> tuple[float, float, int, int, list]:
+    """All prompts at once (the engine's ``max_num_seqs`` sets the batch; ``params``: one
+    ``SamplingParams`` for all, or one per prompt): wall and CPU seconds, engine steps,
+    generated tokens, and the token ids per prompt."""
     engine = llm.llm_engine
     tag = time.monotonic_ns()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{tag}-{i}", prompt, params)
+        engine.add_request(f"r{tag}-{i}", prompt,
+                           params[i] if isinstance(params, list) else params)
     outs: dict[int, list[int]] = {}
     steps = 0
     c0, w0 = time.process_time(), time.perf_counter()
@@ -72,6 +88,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="max_num_seqs of every engine")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-tokens", type=int, default=None,
+                    help="give the prompts lengths spread evenly from this to --max-tokens "
+                         "(in a shuffled order) instead of --max-tokens each: with more "
+                         "prompts than --batch, freed slots take the next request at "
+                         "different steps, as in a server's stream, instead of every "
+                         "request of a batch finishing together (a closed batch, whose "
+                         "makespan a speculative run stretches: docs/cost-control.md)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine-args", type=json.loads, default={},
@@ -92,9 +115,19 @@ def main() -> int:
     target, draft, prompts, pair_overrides = pair_inputs(args.pair, args.prompts)
     overrides: dict[str, Any] = {"max_num_seqs": args.batch, **pair_overrides}
     overrides.update(args.engine_args)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            ignore_eos=True, seed=0 if args.temperature > 0 else None)
+    params: Any = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                 ignore_eos=True, seed=0 if args.temperature > 0 else None)
+    if args.min_tokens is not None:
+        if not 1 <= args.min_tokens <= args.max_tokens:
+            raise SystemExit(f"--min-tokens must be in 1..--max-tokens ({args.max_tokens}), "
+                             f"got {args.min_tokens}")
+        lengths = np.linspace(args.min_tokens, args.max_tokens, len(prompts)).round()
+        np.random.default_rng(0).shuffle(lengths)
+        params = [params.clone() for _ in prompts]
+        for p, n in zip(params, lengths):
+            p.max_tokens = int(n)
 
+    warm = SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True)
     engines = []
     for name, spec, engine_args in rows:
         if spec is not None and spec.get("method") not in ("ngram", "eagle3", "eagle",
@@ -102,7 +135,9 @@ def main() -> int:
                                                            "mtp", "specx_mtp"):
             spec.setdefault("model", draft)
         llm = make_llm(target, speculative_config=spec, **{**overrides, **engine_args})
-        _run(llm, prompts[:1], params)  # warm-up, not counted
+        # Warm-up, not counted: every prompt at once for a few tokens, so that the batch's
+        # own shapes (not only batch 1's) have run before the first timed pass.
+        _run(llm, prompts, warm)
         sched = llm.llm_engine.vllm_config.scheduler_config
         engines.append((name, llm, bool(sched.async_scheduling)))
 
@@ -124,6 +159,7 @@ def main() -> int:
             "speedup": round(statistics.median(tps) / base, 3),
             "tokens_per_s": round(statistics.median(tps), 2),
             "spread": round((max(tps) - min(tps)) / statistics.median(tps), 3),
+            "tokens_per_s_runs": [round(t, 2) for t in tps],
             "cpu_ms_per_token": round(statistics.median(timed[name]["cpu"]), 3),
             "engine_steps": steps[name],
             "async_scheduling": is_async,
@@ -138,11 +174,15 @@ def main() -> int:
         control = (stats or {}).get("cost_control")
         if control:  # the cost model the row ended with (over all its runs)
             row["cost_control"] = cost_control_line(control)
+            # The drafter's work that skipped steps saved or left (first passes skipped,
+            # catch-ups, retirements): counts, not times, so no host noise in them.
+            row["idle_first_pass"] = control.get("idle_first_pass")
     for _, llm, _ in engines:
         shutdown_llm(llm)
     report = {"pair": args.pair, "dtype": overrides.get("dtype", default_dtype()),
               "batch": args.batch, "engine_args": overrides, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
+              "temperature": args.temperature,
               "repeats": args.repeats, "load": os.getloadavg(), "rows": result}
     print(json.dumps(report, indent=1))
     if args.output:

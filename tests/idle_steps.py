@@ -206,15 +206,27 @@ class ScriptedRetirement:
         return np.full((len(req_ids), self.k), 0.95 if good else 0.02)
 
 
+# A compute-bound target: not even a certainly accepted draft token pays for its row.
+COMPUTE_BOUND = dict(target_base=1.0, target_per_request=0.02, target_per_token=2.0,
+                     draft_pass=0.02, draft_row=0.01)
+
+
 def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, retire_after: int = 3) -> dict[str, Any]:
     """Generate ``prompts`` under :class:`ScriptedRetirement` plans with the hole record's
     ``retire_after`` at ``retire_after`` skipped steps: every request retires during the
     hopeless stretch; then the same prompts again as new requests, on a fresh script.
-    Returns both outputs, each round's request ids, drafts and the requests retired
-    before it (``rounds`` / ``rounds_again``), and the hole record's stats. The drafter's
-    settings are restored afterwards; V1 engine or Model Runner V2 host, as
+    Then, on that control (past ``retire_after`` planned steps, acceptance good), the
+    same prompts twice more as new requests: under :data:`COMPUTE_BOUND` costs, where
+    they retire on arrival (``arrival``), and back under the memory-bound costs, where
+    they are admitted and draft (``admitted``).
+    Returns the outputs, each round's request ids, drafts and the requests retired
+    before and after it (``rounds``, ``rounds_again``, ``rounds_arrival``,
+    ``rounds_admitted``), and the hole record's stats after the second and the last run.
+    The drafter's settings are restored afterwards; V1 engine or Model Runner V2 host, as
     :func:`run_idle_steps`."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+
     saved = dict(drafter.settings)
     saved_control = drafter._cost_control
     original = drafter.propose
@@ -229,7 +241,7 @@ def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
         drafts = original(*args, **kwargs)
         if not kwargs.get("dummy_run"):
             ids, d = _drafted(drafter, args, kwargs, drafts)
-            rounds.append((ids, d, retired))
+            rounds.append((ids, d, retired, sorted(holes.retired)))
         return drafts
 
     def fresh_control() -> Any:
@@ -239,12 +251,21 @@ def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     drafter.settings = {**saved, "cost_control": True}
     drafter.propose = propose
     try:
-        for name in ("rounds", "rounds_again"):
-            fresh_control()
+        for name in ("rounds", "rounds_again", "rounds_arrival", "rounds_admitted"):
+            if name in ("rounds", "rounds_again"):
+                control = fresh_control()
+                memory_bound = control.fixed_costs
+            else:
+                control.fixed_costs = (StepCosts(**COMPUTE_BOUND) if name == "rounds_arrival"
+                                       else memory_bound)
             rounds.clear()
             out[name.replace("rounds", "out")] = output_ids(generate(llm, prompts, params))
             out[name] = list(rounds)
-        out["holes"] = dict(holes.as_dict())
+            if name == "rounds_again":
+                out["holes"] = dict(holes.as_dict())
+            if name == "rounds_arrival":
+                out["holes_arrival"] = dict(holes.as_dict())
+        out["holes_last"] = dict(holes.as_dict())
     finally:
         drafter.propose = original
         drafter.settings = saved
@@ -265,9 +286,26 @@ def check_retirement(res: dict[str, Any], plain: list[list[int]]) -> None:
         after = [r for r in rounds if set(r[0]) <= set(r[2])]
         # Drafting before the hopeless stretch; once retired, nothing is drafted on the
         # steps where the script says good again (and there were such steps).
-        assert any(any(d) for _, d, _ in before)
+        assert any(any(d) for _, d, _, _ in before)
         assert len(after) > 2
-        assert all(not any(d) for _, d, _ in after)
+        assert all(not any(d) for _, d, _, _ in after)
     # The second run's requests are new: they drafted, whatever the first run's retired.
-    first_ids = {i for ids, _, _ in res["rounds"] for i in ids}
-    assert not first_ids & {i for ids, _, _ in res["rounds_again"] for i in ids}
+    first_ids = {i for ids, _, _, _ in res["rounds"] for i in ids}
+    assert not first_ids & {i for ids, _, _, _ in res["rounds_again"] for i in ids}
+    # Arrival: with not even a sure token paying, every new request retired in its first
+    # round (before any first pass or catch-up), and nothing was drafted.
+    assert res["out_arrival"] == res["out_admitted"] == plain
+    arrival, admitted = res["rounds_arrival"], res["rounds_admitted"]
+    arrival_ids = {i for ids, _, _, _ in arrival for i in ids}
+    assert res["holes_last"]["retired_on_arrival"] == len(arrival_ids) == n
+    assert res["holes"]["retired_on_arrival"] == 0
+    for ids, d, _, after in arrival:
+        assert set(ids) <= set(after) and not any(d)
+    # Every round of that run skipped its first pass, and nothing was caught up.
+    was, now = res["holes"], res["holes_arrival"]
+    assert now["skipped_first_passes"] - was["skipped_first_passes"] == len(arrival)
+    assert now["catch_up_passes"] == was["catch_up_passes"]
+    # Where drafting pays again, the next new requests are admitted and draft.
+    assert not {i for _, _, _, after in admitted for i in after} & {
+        i for ids, _, _, _ in admitted for i in ids}
+    assert any(any(d) for _, d, _, _ in admitted)

@@ -235,6 +235,11 @@ def test_bench_report_prints_the_cost_model():
     line = next(x for x in markdown_table(report).splitlines()
                 if x.startswith("- cost control of adaptive cc"))
     assert "7 requests retired from drafting (idle for 48 skipped steps in a row" in line
+    stats["idle_first_pass"]["retired_on_arrival"] = 5
+    line = next(x for x in markdown_table(report).splitlines()
+                if x.startswith("- cost control of adaptive cc"))
+    assert ("7 requests retired from drafting (5 on arrival, while nobody drafted and not "
+            "even a sure draft token paid; the rest idle for 48 skipped steps in a row") in line
 
 
 def test_cpu_backend_times_steps_by_this_process_cpu_time():
@@ -536,3 +541,69 @@ def test_the_skip_debt_is_a_catch_ups_cost_per_position_not_its_passes():
     assert same.skip_debt() == pytest.approx(0.0005)
     # ... unless a lookahead row is known to cost less: a catch-up's rows are such rows.
     assert same.skip_debt(row_cost=0.0002) == pytest.approx(0.0002)
+
+
+def test_a_sure_token_pays_exactly_where_its_step_beats_the_plain_step():
+    # Reference by definition: one request's one token, certainly accepted, turns a plain
+    # step of B tokens into B + 1 tokens for the plain step's time plus that token's
+    # verification row and the round's "anyone drafts" cost (the catch-up a skipped step
+    # leaves is not counted as spared, as for probes).
+    rng = np.random.default_rng(7)
+    control = CostControl(4)
+    seen = set()
+    for _ in range(400):
+        base, per_req, per_tok, rnd = rng.uniform(0.01, 2.0, 4)
+        control.fixed_costs = costs = StepCosts(base, per_req, per_tok, 0.05, 0.01,
+                                                draft_round=rnd,
+                                                skip_debt=float(rng.uniform(0, 0.1)))
+        b = int(rng.integers(1, 65))
+        plain = costs.step_time([0] * b)
+        pays = (b + 1) / (plain + per_tok + rnd) > b / plain
+        assert control.sure_token_pays(b) == pays
+        seen.add(pays)
+    assert seen == {True, False}
+
+
+class _Drafter:
+    """What ``DraftKVHoles.admit`` reads of a drafter: its cost control, if any."""
+
+    def __init__(self, control: CostControl | None) -> None:
+        self._cost_control = control
+
+
+def test_requests_arriving_where_no_sure_token_pays_retire_on_arrival():
+    from vllm_specx.glue.draft_passes import DraftKVHoles
+
+    holes = DraftKVHoles(block_size=16, prefix_caching=True)
+    holes.retire_after = 5
+    control = CostControl(4, retired=lambda: holes.retired)
+    compute_bound = StepCosts(1.0, 0.02, 2.0, 0.02, 0.01)
+    memory_bound = StepCosts(1.0, 0.02, 0.02, 0.02, 0.01)
+    control.fixed_costs = compute_bound
+    drafter = _Drafter(control)
+    # No control yet, then a control that has drafted nothing for too few plans: admitted.
+    holes.admit(_Drafter(None), ("a",))
+    for _ in range(4):
+        assert not control.plan_depths(("a",), 4, 1).any()
+    holes.admit(drafter, ("a", "b"))
+    assert holes.admitted == {"a", "b"} and not holes.retired
+    control.plan_depths(("a", "b"), 4, 1)  # the fifth idle plan in a row
+    # Now new requests retire at once; the admitted ones stay admitted.
+    holes.admit(drafter, ("a", "b", "c", "d"))
+    assert holes.retired == {"c", "d"} and holes.retired_on_arrival == 2
+    assert holes.as_dict()["retired_on_arrival"] == 2
+    assert control.plan_depths(("a", "b", "c", "d"), 4, 1)[2:].tolist() == [0, 0]
+    # Where a sure token pays, new requests are admitted.
+    control.fixed_costs = memory_bound
+    holes.admit(drafter, ("a", "b", "c", "d", "e"))
+    assert "e" in holes.admitted and holes.retired == {"c", "d"}
+    # While the plan drafts for someone (cheap drafts here), new requests are admitted
+    # whatever a lone sure token would earn; after five idle plans again, retired.
+    assert control.plan_depths(("a", "b"), 4, 1).any()
+    control.fixed_costs = compute_bound
+    holes.admit(drafter, ("a", "b", "f"))
+    assert "f" in holes.admitted
+    for _ in range(5):
+        control.plan_depths(("a", "b"), 4, 1)
+    holes.admit(drafter, ("a", "b", "g"))
+    assert "g" in holes.retired and holes.retired_on_arrival == 3

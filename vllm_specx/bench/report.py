@@ -248,8 +248,12 @@ def _retired_text(idle: Any) -> str:
     """How many requests stopped their draft KV upkeep (``DraftKVHoles.retired``)."""
     if not isinstance(idle, dict) or not idle.get("retired_requests"):
         return ""
-    return (f"; {idle['retired_requests']} requests retired from drafting (idle for "
-            f"{idle.get('retire_after')} skipped steps in a row: no draft KV upkeep after)")
+    arrival = idle.get("retired_on_arrival") or 0
+    return (f"; {idle['retired_requests']} requests retired from drafting ("
+            + (f"{arrival} on arrival, while nobody drafted and not even a sure draft "
+               f"token paid; the rest " if arrival else "")
+            + f"idle for {idle.get('retire_after')} skipped steps in a row: no draft KV "
+            f"upkeep after)")
 
 
 def _calibration_text(calibration: Any) -> str:

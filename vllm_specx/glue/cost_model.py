@@ -567,6 +567,7 @@ class CostControl:
         # measured one; measuring goes on.
         self.fixed_costs: StepCosts | None = None
         self.stats = CostControlStats()
+        self._idle_plans = 0  # plans in a row that drafted nothing for anyone
         self._drafted: dict[str, int] = {}  # request id -> tokens drafted last round
         # The cost stop's reading of the draft's confidence (its acceptance at that
         # confidence), learnt from the same verified steps as the history.
@@ -613,6 +614,27 @@ class CostControl:
                                  if r in self._confidences}
             self.history.forget_except(req_ids)
 
+    def retires_arrivals(self, num_reqs: int, idle_plans: int) -> bool:
+        """Whether a request that joins the batch now (``num_reqs`` with it) should retire
+        on arrival (``DraftKVHoles.admit``): the last ``idle_plans`` plans in a row drafted
+        nothing for anyone (no probe either), and not even a certainly accepted token would
+        pay at this batch size (:meth:`sure_token_pays`), so nothing would make it draft
+        until the batch shrinks. While the plan drafts for some requests, new ones are
+        admitted: they arrive at the pooled acceptance the plan is drafting at."""
+        return self._idle_plans >= idle_plans and not self.sure_token_pays(num_reqs)
+
+    def sure_token_pays(self, num_reqs: int) -> bool:
+        """Whether one draft token, certainly accepted, drafted for one request of a batch
+        of ``num_reqs`` where nobody else drafts, would raise the step's rate at the
+        current costs (:func:`probe_could_pay` of a plan that drafts nothing). When it
+        would not, no plan at that batch size drafts for a request on its own account."""
+        costs = self.step_costs()
+        lengths = np.zeros(max(int(num_reqs), 1), dtype=np.int64)
+        plain = costs.step_time(lengths)
+        if not (plain > 0.0 and np.isfinite(plain)):
+            return True  # no model to judge by: say nothing against drafting
+        return probe_could_pay(LengthChoice(lengths, len(lengths) / plain, 0.0, plain), costs)
+
     def _choose(self, req_ids: Sequence[str], k: int,
                 widths: Sequence[int] | np.ndarray | int | None = None,
                 ) -> tuple[np.ndarray, StepCosts, LengthChoice, np.ndarray]:
@@ -638,6 +660,7 @@ class CostControl:
         self.stats.steps += 1
         self.stats.probes += int((caps > choice.lengths).sum())
         self.stats.planned_tokens += int(caps.sum())
+        self._idle_plans = 0 if caps.any() else self._idle_plans + 1
         if not caps.any():
             self.stats.all_zero_steps += 1
         elif not caps.all():

@@ -167,6 +167,7 @@ class SpecxPasses(SpecDecodeBaseProposer):
             first_pos = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
             query_lens = (common_attn_metadata.query_start_loc_cpu[1:num_reqs + 1]
                           - common_attn_metadata.query_start_loc_cpu[:num_reqs]).numpy()
+            holes.admit(self, req_ids)
             # A drafter that cannot catch this step up later (HeadKVHoles: a hole it would
             # not store) does not plan before the first pass: the round plans after it.
             if holes.may_skip(self, req_ids, first_pos, query_lens):
@@ -652,11 +653,16 @@ class DraftKVHoles:
     no catch-up, nothing kept, and the cost control plans it zero drafts from then on
     (``CostControl``'s ``retired``), so no draft ever reads its gaps. Where drafting
     cannot pay at the batch size (batch 8-32 on a CPU host) the upkeep was all the
-    drafter still cost. Output stays the target's (verification decides every token);
-    what is given up is drafting for that request if the batch later shrinks, and, with
-    prefix caching, the draft KV of the blocks it fills after retiring: a later request
-    reusing them (a chat's next turn) drafts over those gaps, lossless, with fewer drafts
-    accepted, which its own acceptance history then shows.
+    drafter still cost. A request that arrives after :attr:`retire_after` plans in a row
+    drafted nothing, at a batch size where not even one certainly accepted draft token
+    would pay (``CostControl.retires_arrivals``), is retired on arrival (:meth:`admit`):
+    in a stream of requests (a server) each new one would otherwise pay the upkeep, its
+    prompt's draft KV included, for its first :attr:`retire_after` steps, which for short
+    requests is their whole life. Output stays the target's (verification decides every
+    token); what is given up is drafting for that request if the batch later shrinks,
+    and, with prefix caching, the draft KV of the blocks it fills after retiring: a later
+    request reusing them (a chat's next turn) drafts over those gaps, lossless, with fewer
+    drafts accepted, which its own acceptance history then shows.
     """
 
     # Skipped steps in a row after which a request retires: three probe intervals
@@ -673,6 +679,8 @@ class DraftKVHoles:
         self.idle_steps: dict[str, int] = {}
         self.retired: set[str] = set()  # requests without draft KV upkeep, never to draft
         self.retirements = 0
+        self.retired_on_arrival = 0  # of those, retired at their first step (admit)
+        self.admitted: set[str] = set()  # requests seen and not retired on arrival
         self.skipped_first_passes = 0
         self.block_end_catch_ups = 0  # skipped steps that caught up blocks vLLM caches
         self.catch_up_steps = 0  # first passes preceded by a catch-up
@@ -681,6 +689,25 @@ class DraftKVHoles:
         # Most tokens one catch-up pass feeds (None: the drafter's token buffer). Tests
         # set it small to exercise holes caught up over several passes.
         self.pass_tokens: int | None = None
+
+    def admit(self, proposer: Any, req_ids: Sequence[str]) -> None:
+        """At the start of every step, before :meth:`may_skip`: retire the batch's new
+        requests at once where nothing could pay now (see the class doc), so that no
+        first pass, catch-up or kept input is ever spent on them; admit them otherwise."""
+        new = [rid for rid in req_ids if rid not in self.admitted and rid not in self.retired]
+        if not new:
+            return
+        control = getattr(proposer, "_cost_control", None)
+        if control is not None and control.retires_arrivals(len(req_ids), self.retire_after):
+            for rid in new:
+                self._retire(rid)
+            self.retired_on_arrival += len(new)
+            return
+        self.admitted.update(new)
+        if len(self.admitted) > 4 * max(len(req_ids), 64):
+            # Finished requests never come back (a preempted one dropped here is only
+            # judged again when it resumes).
+            self.admitted &= set(req_ids)
 
     def skip(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
              req_ids: Sequence[str], first_pos: np.ndarray, query_lens: np.ndarray,
@@ -838,4 +865,5 @@ class DraftKVHoles:
                 "catch_up_passes": self.catch_up_passes,
                 "catch_up_tokens": self.catch_up_tokens,
                 "retired_requests": self.retirements,
+                "retired_on_arrival": self.retired_on_arrival,
                 "retire_after": self.retire_after}

@@ -404,6 +404,8 @@ class SpecxV2DraftSpeculator(StandaloneARSpeculator):
         qsl = input_batch.query_start_loc_np
         query_lens = (qsl[1:num_reqs + 1] - qsl[:num_reqs]).astype(np.int64)
         plan = None
+        if holes is not None:
+            holes.admit(self, req_ids)
         if holes is None or holes.may_skip(self, req_ids, first_pos, query_lens):
             plan = self.plan_before_first_pass(k, req_ids, num_rejected[:num_reqs],
                                                int(input_batch.num_tokens))
