@@ -40,17 +40,22 @@ class ScriptedIdleRates:
         return out
 
 
+# A memory-bound target: a good request's drafts pay, a hopeless one's never.
+MEMORY_BOUND = dict(target_base=1.0, target_per_request=0.02, target_per_token=0.02,
+                    draft_pass=0.02, draft_row=0.01)
+# A compute-bound target: not even a certainly accepted draft token pays for its row.
+COMPUTE_BOUND = {**MEMORY_BOUND, "target_per_token": 2.0}
+
+
 def scripted_control(drafter: Any, k: int, rates: Any) -> Any:
     """A new cost control on ``drafter`` (what one run learns, acceptance or calibration,
-    must not change another's plans) with a fixed cost model, no probes (zero means zero)
-    and ``rates`` standing in for its acceptance history's."""
+    must not change another's plans) with a fixed :data:`MEMORY_BOUND` cost model, no
+    probes (zero means zero) and ``rates`` standing in for its acceptance history's."""
     from vllm_specx.algorithms.draft_length import StepCosts
 
     drafter._cost_control = None
     control = drafter.cost_control(k)
-    # A memory-bound target: a good request's drafts pay, a hopeless one's never.
-    control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
-                                    target_per_token=0.02, draft_pass=0.02, draft_row=0.01)
+    control.fixed_costs = StepCosts(**MEMORY_BOUND)
     control.history.probe_interval = 10**9
     control.history.rates = rates
     return control
@@ -206,17 +211,12 @@ class ScriptedRetirement:
         return np.full((len(req_ids), self.k), 0.95 if good else 0.02)
 
 
-# A compute-bound target: not even a certainly accepted draft token pays for its row.
-COMPUTE_BOUND = dict(target_base=1.0, target_per_request=0.02, target_per_token=2.0,
-                     draft_pass=0.02, draft_row=0.01)
-
-
 def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, retire_after: int = 3) -> dict[str, Any]:
     """Generate ``prompts`` under :class:`ScriptedRetirement` plans with the hole record's
     ``retire_after`` at ``retire_after`` skipped steps: every request retires during the
     hopeless stretch; then the same prompts again as new requests, on a fresh script.
-    Then, on that control (past ``retire_after`` planned steps, acceptance good), the
+    Then, on that control (past ``retire_after`` idle plans in a row, acceptance good), the
     same prompts twice more as new requests: under :data:`COMPUTE_BOUND` costs, where
     they retire on arrival (``arrival``), and back under the memory-bound costs, where
     they are admitted and draft (``admitted``).
@@ -254,10 +254,9 @@ def run_retirement(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
         for name in ("rounds", "rounds_again", "rounds_arrival", "rounds_admitted"):
             if name in ("rounds", "rounds_again"):
                 control = fresh_control()
-                memory_bound = control.fixed_costs
             else:
-                control.fixed_costs = (StepCosts(**COMPUTE_BOUND) if name == "rounds_arrival"
-                                       else memory_bound)
+                control.fixed_costs = StepCosts(
+                    **(COMPUTE_BOUND if name == "rounds_arrival" else MEMORY_BOUND))
             rounds.clear()
             out[name.replace("rounds", "out")] = output_ids(generate(llm, prompts, params))
             out[name] = list(rounds)
