@@ -31,6 +31,13 @@ slots take the next request at different steps, as in a server's stream::
 
     python benchmarks/interleaved_speedup.py --pair real --batch 8 --prompts 32 \
       --min-tokens 16 --max-tokens 128 --config '{"method": "adaptive"}'
+
+Each row also splits its process CPU time per generated token into the target's forward
+(``target_forward_cpu_ms_per_token``: the target model's ``forward``, verification rows
+included) and everything else (``other_cpu_ms_per_token``: scheduling, sampling, the
+drafter's passes and plan). On a host whose speed swings from run to run, the target's
+forward moves with it in every row alike, while what speculation adds outside the forward
+shows in the second number, against no speculation's.
 """
 
 from __future__ import annotations
@@ -55,6 +62,27 @@ def _parse_config(text: str) -> tuple[str, dict[str, Any] | None, dict[str, Any]
     if not isinstance(engine_args, dict):
         raise SystemExit(f"--config 'engine_args' must be a JSON object, got {engine_args!r}")
     return name, (None if cfg["method"] == "none" else cfg), engine_args
+
+
+class _ForwardClock:
+    """Process CPU seconds inside the target model's ``forward`` (either model runner:
+    both call ``runner.model``), wrapped on the module instance."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm_specx.testing.v2_engine import runner_of
+
+        model = runner_of(llm).model
+        inner = model.forward
+        self.seconds = 0.0
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.process_time() - t0
+
+        model.forward = forward
 
 
 def _run(llm: Any, prompts: list[str], params: Any | list[Any],
@@ -129,6 +157,7 @@ def main() -> int:
 
     warm = SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True)
     engines = []
+    clocks: dict[str, _ForwardClock] = {}
     for name, spec, engine_args in rows:
         if spec is not None and spec.get("method") not in ("ngram", "eagle3", "eagle",
                                                            "specx_eagle3", "specx_eagle",
@@ -138,17 +167,21 @@ def main() -> int:
         # Warm-up, not counted: every prompt at once for a few tokens, so that the batch's
         # own shapes (not only batch 1's) have run before the first timed pass.
         _run(llm, prompts, warm)
+        clocks[name] = _ForwardClock(llm)
         sched = llm.llm_engine.vllm_config.scheduler_config
         engines.append((name, llm, bool(sched.async_scheduling)))
 
-    timed: dict[str, dict[str, list[float]]] = {n: {"tps": [], "cpu": []} for n, _, _ in rows}
+    timed: dict[str, dict[str, list[float]]] = {
+        n: {"tps": [], "cpu": [], "fwd": []} for n, _, _ in rows}
     outputs: dict[str, list] = {}
     steps: dict[str, int] = {}
     for _ in range(args.repeats):
         for name, llm, _ in engines:
+            fwd0 = clocks[name].seconds
             wall, cpu, n_steps, tokens, outs = _run(llm, prompts, params)
             timed[name]["tps"].append(tokens / wall)
             timed[name]["cpu"].append(1000 * cpu / tokens)
+            timed[name]["fwd"].append(1000 * (clocks[name].seconds - fwd0) / tokens)
             outputs[name], steps[name] = outs, n_steps
     base = statistics.median(timed["none"]["tps"])
     result = []
@@ -161,6 +194,9 @@ def main() -> int:
             "spread": round((max(tps) - min(tps)) / statistics.median(tps), 3),
             "tokens_per_s_runs": [round(t, 2) for t in tps],
             "cpu_ms_per_token": round(statistics.median(timed[name]["cpu"]), 3),
+            "target_forward_cpu_ms_per_token": round(statistics.median(timed[name]["fwd"]), 3),
+            "other_cpu_ms_per_token": round(statistics.median(
+                [c - f for c, f in zip(timed[name]["cpu"], timed[name]["fwd"])]), 3),
             "engine_steps": steps[name],
             "async_scheduling": is_async,
             "same_output_as_none": (outputs[name] == outputs["none"]
@@ -190,7 +226,9 @@ def main() -> int:
             json.dump(report, f, indent=1)
     for r in result:
         print(f"{r['config']:28s} {r['speedup']:6.3f}x  {r['tokens_per_s']:8.2f} tok/s "
-              f"(spread {100 * r['spread']:.1f}%)  cpu {r['cpu_ms_per_token']:7.3f} ms/token  "
+              f"(spread {100 * r['spread']:.1f}%)  cpu {r['cpu_ms_per_token']:7.3f} ms/token "
+              f"(forward {r['target_forward_cpu_ms_per_token']:.3f}, "
+              f"other {r['other_cpu_ms_per_token']:.3f})  "
               f"steps {r['engine_steps']}  async {r['async_scheduling']}  "
               f"same {r['same_output_as_none']}", file=sys.stderr)
         if r.get("cost_control"):

@@ -139,6 +139,47 @@ def test_a_retired_request_is_planned_nothing_however_good_its_drafts():
         control.end(ids, caps, 3, sum(caps))
 
 
+@pytest.mark.parametrize("num_reqs", [1, 3, 8])
+def test_a_batch_of_retired_requests_plans_what_the_full_choice_plans(num_reqs):
+    # When every request is retired the control skips the weighing (its host time ran on
+    # every step of such a batch); what it returns must be the exact choice's for zero
+    # rates at the same costs: lengths, rate, expected tokens and step time, no probes,
+    # and the same counts.
+    from vllm_specx.glue.cost_model import MIN_PLAN_GAIN
+
+    rng = np.random.default_rng(num_reqs)
+    ids = tuple(f"r{i}" for i in range(num_reqs))
+    compared = 0
+    for _ in range(20):
+        costs = StepCosts(*rng.uniform(0.0, 1.0, size=5), draft_round=rng.uniform(0, 1),
+                          skip_debt=rng.uniform(0, 0.1))
+        control = CostControl(4, retired=lambda: set(ids))
+        control.fixed_costs = costs
+        control.history.probe_interval = 1  # every request due a probe: none may probe
+        rates, got_costs, choice, caps = control._choose(ids, 4)
+        assert got_costs is costs and not rates.any() and rates.shape == (num_reqs, 4)
+        assert choice.lengths.tolist() == caps.tolist() == [0] * num_reqs
+        # The plain step by StepCosts' own definition: one token per request.
+        plain = costs.step_time([0] * num_reqs)
+        assert choice.step_time == pytest.approx(plain)
+        assert choice.expected_tokens == pytest.approx(num_reqs)
+        assert choice.rate == pytest.approx(num_reqs / plain)
+        want = choose_draft_lengths(np.zeros((num_reqs, 4)), costs, min_gain=MIN_PLAN_GAIN)
+        if not want.lengths.any():
+            # The exact choice drafts nothing too (it may draft a worthless token only to
+            # avoid a skip's debt, which a retired request never leaves): the same choice.
+            assert choice.rate == pytest.approx(want.rate)
+            assert choice.expected_tokens == pytest.approx(want.expected_tokens)
+            assert choice.step_time == pytest.approx(want.step_time)
+            compared += 1
+        plan = control.plan(ids, 4, ConfidenceStop(0.0, max_tokens=4), torch.device("cpu"))
+        assert not plan.caps.any()
+        d = control.describe()
+        assert (d["steps"], d["all_zero_steps"], d["probes"]) == (2, 2, 0)
+        assert control.retires_arrivals(num_reqs, 2) == (not control.sure_token_pays(num_reqs))
+    assert compared >= 10
+
+
 def test_control_learns_nothing_from_a_step_that_did_not_verify_the_drafts():
     # Round 1 drafts 4 for each; the next step verifies none of them (vLLM ran a step
     # without a round, or dropped the drafts): 2 requests, 2 target tokens, no rejections.

@@ -643,10 +643,16 @@ class CostControl:
         request: no gain, it is planned nothing), the costs, the exact length choice, and
         the caps (the choice with the probes due, retired requests at zero); counted in
         the stats."""
-        rates = self.history.rates(req_ids)[:, :k]
         gone = self.retired() if self.retired is not None else ()
         retired = (np.fromiter((rid in gone for rid in req_ids), dtype=bool,
                                count=len(req_ids)) if gone else None)
+        if retired is not None and retired.all():
+            # Every request of the batch is retired (batch 8-32 on a CPU host, once drafting
+            # never paid): the choice is all zeros whatever the rates, so nothing is
+            # weighed; what the full choice would give, without its host time (it ran on
+            # every step of such a batch).
+            return self._all_retired(len(req_ids), k)
+        rates = self.history.rates(req_ids)[:, :k]
         if retired is not None and retired.any():
             rates = rates.copy()
             rates[retired] = 0.0
@@ -666,6 +672,20 @@ class CostControl:
         elif not caps.all():
             self.stats.partial_zero_steps += 1
         return rates, costs, choice, caps
+
+    def _all_retired(self, num_reqs: int, k: int,
+                     ) -> tuple[np.ndarray, StepCosts, LengthChoice, np.ndarray]:
+        """:meth:`_choose` for a batch whose requests are all retired: zero rates, the
+        plain step's rate, no lengths, no probes (a retired request never probes)."""
+        costs = self.step_costs()
+        lengths = np.zeros(num_reqs, dtype=np.int64)
+        plain = costs.step_time(lengths)
+        rate = num_reqs / plain if plain > 0.0 and np.isfinite(plain) else 0.0
+        self.stats.steps += 1
+        self.stats.all_zero_steps += 1
+        self._idle_plans += 1
+        return (np.zeros((num_reqs, k)), costs, LengthChoice(lengths, rate, float(num_reqs),
+                                                             plain), lengths.copy())
 
     def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
              device: torch.device) -> RoundPlan:

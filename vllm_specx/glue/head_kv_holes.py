@@ -155,6 +155,13 @@ class HeadKVHoles(DraftKVHoles):
         kept rows are their concatenation, as V1's runner hands them over. ``live``: the
         runner's unfinished requests (None: keep every entry)."""
         num_reqs = len(req_ids)
+        if self.retired and all(rid in self.retired for rid in req_ids):
+            # Nothing is kept for a retired request: no gather of the step's rows (it ran
+            # on every step of a batch that drafting never paid for).
+            self._valid_end = None
+            self._rows = list(req_ids)
+            self._drop_finished(num_reqs, live)
+            return
         n = target_token_ids.shape[0]
         ids = torch.empty_like(target_token_ids[:n])
         ids[: n - 1] = target_token_ids[1:n]
@@ -184,6 +191,9 @@ class HeadKVHoles(DraftKVHoles):
             kept.append(tokens, hidden)
         self._valid_end = valid_end
         self._rows = list(req_ids)
+        self._drop_finished(num_reqs, live)
+
+    def _drop_finished(self, num_reqs: int, live: Container[str] | None) -> None:
         if live is not None and len(self.kept) > num_reqs:
             # Finished requests never come back (a preempted one stays in V1's runner's
             # requests and keeps its entry until its next first pass).
