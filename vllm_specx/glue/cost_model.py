@@ -532,6 +532,16 @@ def probe_could_pay(choice: LengthChoice, costs: StepCosts) -> bool:
     return 1.0 > extra * choice.rate
 
 
+def _plain_step_choice(costs: StepCosts, num_reqs: int) -> LengthChoice:
+    """The choice that drafts nothing for ``num_reqs`` requests: one token each in the
+    plain step's time (``StepCosts.step_time`` of zero lengths); rate 0 where that time is
+    not a positive finite number (no model to judge by)."""
+    lengths = np.zeros(num_reqs, dtype=np.int64)
+    plain = costs.step_time(lengths)
+    rate = num_reqs / plain if plain > 0.0 and np.isfinite(plain) else 0.0
+    return LengthChoice(lengths, rate, float(num_reqs), plain)
+
+
 @dataclass
 class RoundPlan:
     rule: DraftStopRule
@@ -629,11 +639,10 @@ class CostControl:
         current costs (:func:`probe_could_pay` of a plan that drafts nothing). When it
         would not, no plan at that batch size drafts for a request on its own account."""
         costs = self.step_costs()
-        lengths = np.zeros(max(int(num_reqs), 1), dtype=np.int64)
-        plain = costs.step_time(lengths)
-        if not (plain > 0.0 and np.isfinite(plain)):
+        plain = _plain_step_choice(costs, max(int(num_reqs), 1))
+        if plain.rate == 0.0:
             return True  # no model to judge by: say nothing against drafting
-        return probe_could_pay(LengthChoice(lengths, len(lengths) / plain, 0.0, plain), costs)
+        return probe_could_pay(plain, costs)
 
     def _choose(self, req_ids: Sequence[str], k: int,
                 widths: Sequence[int] | np.ndarray | int | None = None,
@@ -646,23 +655,26 @@ class CostControl:
         gone = self.retired() if self.retired is not None else ()
         retired = (np.fromiter((rid in gone for rid in req_ids), dtype=bool,
                                count=len(req_ids)) if gone else None)
+        costs = self.step_costs()
         if retired is not None and retired.all():
             # Every request of the batch is retired (batch 8-32 on a CPU host, once drafting
-            # never paid): the choice is all zeros whatever the rates, so nothing is
-            # weighed; what the full choice would give, without its host time (it ran on
-            # every step of such a batch).
-            return self._all_retired(len(req_ids), k)
-        rates = self.history.rates(req_ids)[:, :k]
-        if retired is not None and retired.any():
-            rates = rates.copy()
-            rates[retired] = 0.0
-        costs = self.step_costs()
-        choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths,
-                                      min_gain=MIN_PLAN_GAIN)
-        caps = self.history.probes(req_ids, choice.lengths,
-                                   may_probe=probe_could_pay(choice, costs))
-        if retired is not None:
-            caps[retired] = 0
+            # never paid): the choice is all zeros whatever the rates, and a retired
+            # request never probes, so nothing is weighed (that ran on every step of such
+            # a batch).
+            rates = np.zeros((len(req_ids), k))
+            choice = _plain_step_choice(costs, len(req_ids))
+            caps = choice.lengths.copy()
+        else:
+            rates = self.history.rates(req_ids)[:, :k]
+            if retired is not None and retired.any():
+                rates = rates.copy()
+                rates[retired] = 0.0
+            choice = choose_draft_lengths(expected_gains(rates), costs, widths=widths,
+                                          min_gain=MIN_PLAN_GAIN)
+            caps = self.history.probes(req_ids, choice.lengths,
+                                       may_probe=probe_could_pay(choice, costs))
+            if retired is not None:
+                caps[retired] = 0
         self.stats.steps += 1
         self.stats.probes += int((caps > choice.lengths).sum())
         self.stats.planned_tokens += int(caps.sum())
@@ -672,20 +684,6 @@ class CostControl:
         elif not caps.all():
             self.stats.partial_zero_steps += 1
         return rates, costs, choice, caps
-
-    def _all_retired(self, num_reqs: int, k: int,
-                     ) -> tuple[np.ndarray, StepCosts, LengthChoice, np.ndarray]:
-        """:meth:`_choose` for a batch whose requests are all retired: zero rates, the
-        plain step's rate, no lengths, no probes (a retired request never probes)."""
-        costs = self.step_costs()
-        lengths = np.zeros(num_reqs, dtype=np.int64)
-        plain = costs.step_time(lengths)
-        rate = num_reqs / plain if plain > 0.0 and np.isfinite(plain) else 0.0
-        self.stats.steps += 1
-        self.stats.all_zero_steps += 1
-        self._idle_plans += 1
-        return (np.zeros((num_reqs, k)), costs, LengthChoice(lengths, rate, float(num_reqs),
-                                                             plain), lengths.copy())
 
     def plan(self, req_ids: Sequence[str], k_max: int, inner: DraftStopRule,
              device: torch.device) -> RoundPlan:
