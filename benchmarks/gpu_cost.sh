@@ -10,11 +10,20 @@
 #   bench_b8  as bench_b1 at batch 8
 #   parity_dm benchmarks/round_parity.py -k 3: draft_model against adaptive and mtad (B = 1) at equal
 #             drafts
+# Stages on request (STAGES="graphs_b1 graphs_b8 inter_b1 inter_b8", say), each
+# benchmarks/interleaved_speedup.py with every row's engine alive and the timed runs interleaved:
+#   graphs_b1 batch 1 in vLLM's default mode (CUDA graphs, compiled: what `vllm serve` runs): vLLM's eagle3
+#             K=3, specx_eagle3 "adaptive" (cost control on) and K=3, adaptive; a row that fails to start
+#             is reported with its error
+#   graphs_b8 the same at batch 8 (8 prompts)
+#   inter_b1  batch 1, eager: no speculation with synchronous scheduling, eagle3 K=3, specx_eagle3
+#             "adaptive", adaptive (cost control on)
+#   inter_b8  batch 8 (8 prompts), eager: eagle3 K=3, specx_eagle3 "adaptive", adaptive
 # Every stage's log and report land in OUT_DIR; at the end they are packed into OUT_DIR/gpu_cost.tgz and
 # each report's markdown table is printed (PACK_TO names the archive). docs/benchmarks/gpu.md has the
 # numbers it gave.
 # Usage: bash benchmarks/gpu_cost.sh [OUT_DIR]     (default: bench-out/gpu_cost)
-# Env:   PACK_TO (OUT_DIR/gpu_cost.tgz), BUDGET_S (540), RUNNER (v2 | v1), NUM_PROMPTS (8), MAX_TOKENS (64),
+# Env:   STAGES ("bench_b1 parity_e3 bench_b8 parity_dm"), PACK_TO (OUT_DIR/gpu_cost.tgz), BUDGET_S (540), RUNNER (v2 | v1), NUM_PROMPTS (8), MAX_TOKENS (64),
 #        GPU_MEM (0.2),
 #        EAGER ("true"; "false" lets vLLM capture CUDA graphs where a config allows)
 set -uo pipefail
@@ -40,7 +49,7 @@ stage() {
   timeout -k 5 "$l" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   echo "== $name exit $rc end $(date -u +%H:%M:%S)"
-  tail -n 12 "$OUT/$name.log"
+  tail -n 20 "$OUT/$name.log"
   pack
 }
 
@@ -64,11 +73,43 @@ BENCH=(python3 -m vllm_specx.cli bench --pair real --temperature 0 --ignore-eos 
 PARITY=(python3 benchmarks/round_parity.py --pair real -k 3 --prompts 4
   --max-tokens "${MAX_TOKENS:-64}" --repeats 3 --engine-args "$EA")
 
+# benchmarks/interleaved_speedup.py: every row's engine alive at once, timed runs interleaved with
+# no speculation's; a row whose engine fails to start is reported, not fatal.
+INTER=(python3 benchmarks/interleaved_speedup.py --pair real --temperature 0 --continue-on-error
+  --max-tokens "${MAX_TOKENS:-64}")
+I_EAGER="{\"dtype\": \"bfloat16\", \"enforce_eager\": true, \"gpu_memory_utilization\": 0.1}"
+I_GRAPHS="{\"dtype\": \"bfloat16\", \"enforce_eager\": false, \"gpu_memory_utilization\": 0.1}"
+E3_ON="{\"method\": \"specx_eagle3\", \"model\": \"$HEAD\", \"adaptive\": true, \"name\": \"specx_eagle3 adaptive\"}"
+E3_K3="{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": 3, \"name\": \"eagle3 K=3\"}"
+SX_K3="{\"method\": \"specx_eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": 3, \"name\": \"specx_eagle3 K=3\"}"
+AD_ON='{"method": "adaptive", "name": "adaptive"}'
+SYNC='{"method": "none", "engine_args": {"async_scheduling": false}, "name": "none, synchronous"}'
+
+run_stage() {
+  case $1 in
+    bench_b1) stage bench_b1 200 "${BENCH[@]}" --batch-sizes 1 ;;
+    parity_e3) stage parity_e3 80 "${PARITY[@]}" --eagle3 ;;
+    bench_b8) stage bench_b8 150 "${BENCH[@]}" --batch-sizes 8 ;;
+    parity_dm) stage parity_dm 100 "${PARITY[@]}" ;;
+    # vLLM's default mode (CUDA graphs, compiled), which `vllm serve` users run: every method starts?
+    graphs_b1) stage graphs_b1 150 "${INTER[@]}" --batch 1 --prompts 4 --repeats 3 \
+      --engine-args "$I_GRAPHS" -o "$OUT/graphs_b1.json" \
+      --config "$E3_K3" --config "$E3_ON" --config "$SX_K3" --config "$AD_ON" ;;
+    graphs_b8) stage graphs_b8 120 "${INTER[@]}" --batch 8 --prompts 8 --repeats 3 \
+      --engine-args "$I_GRAPHS" -o "$OUT/graphs_b8.json" \
+      --config "$E3_K3" --config "$E3_ON" --config "$SX_K3" --config "$AD_ON" ;;
+    inter_b1) stage inter_b1 150 "${INTER[@]}" --batch 1 --prompts 4 --repeats 3 \
+      --engine-args "$I_EAGER" -o "$OUT/inter_b1.json" \
+      --config "$SYNC" --config "$E3_K3" --config "$SX_K3" --config "$E3_ON" --config "$AD_ON" ;;
+    inter_b8) stage inter_b8 100 "${INTER[@]}" --batch 8 --prompts 8 --repeats 3 \
+      --engine-args "$I_EAGER" -o "$OUT/inter_b8.json" \
+      --config "$E3_K3" --config "$E3_ON" --config "$AD_ON" ;;
+    *) echo "== unknown stage $1" ;;
+  esac
+}
+
 echo "gpu_cost: $(date -u +%H:%M:%S) runner=${RUNNER:-v2} budget=${BUDGET}s engine args $EA"
-stage bench_b1 200 "${BENCH[@]}" --batch-sizes 1
-stage parity_e3 80 "${PARITY[@]}" --eagle3
-stage bench_b8 150 "${BENCH[@]}" --batch-sizes 8
-stage parity_dm 100 "${PARITY[@]}"
+for s in ${STAGES:-bench_b1 parity_e3 bench_b8 parity_dm}; do run_stage "$s"; done
 for md in "$OUT"/bench_b*.md "$OUT"/bench_batch_sweep.md; do
   [ -f "$md" ] && { echo "== $md"; cat "$md"; }
 done

@@ -21,7 +21,9 @@ optional ``"engine_args"`` (extra ``vllm.LLM`` keyword arguments for that engine
 e.g. ``{"async_scheduling": false}``); ``{"method": "none"}`` is no speculation (a second
 no-speculation engine with other engine arguments, say). The first row is always vLLM
 without speculation, with ``--engine-args`` only. Greedy (``--temperature 0``) rows
-report whether their tokens equal that row's.
+report whether their tokens equal that row's. With ``--continue-on-error`` a
+configuration whose engine fails to start (say, CUDA graphs a method cannot take) is
+listed under ``"failed"`` with its error and the other rows still run.
 
 Every prompt runs ``--max-tokens`` tokens (``ignore_eos``): with ``--prompts`` equal to
 ``--batch`` that is one closed batch, all of whose requests finish together without
@@ -49,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -139,6 +142,9 @@ def main() -> int:
     ap.add_argument("--engine-args", type=json.loads, default={},
                     help="JSON of extra vllm.LLM keyword arguments for every engine (on a GPU, "
                          "e.g. '{\"gpu_memory_utilization\": 0.1, \"dtype\": \"bfloat16\"}')")
+    ap.add_argument("--continue-on-error", action="store_true",
+                    help="a configuration whose engine fails to start or warm up is reported "
+                    "(the report's 'failed') and left out, instead of ending the run")
     ap.add_argument("-o", "--output", default=None, help="write the JSON report here too")
     args = ap.parse_args()
     rows = [("none", None, {})] + [_parse_config(c) for c in args.config]
@@ -168,32 +174,46 @@ def main() -> int:
 
     warm = SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True)
     engines = []
+    failed: list[dict[str, str]] = []
     clocks: dict[str, _ForwardClock] = {}
     for name, spec, engine_args in rows:
         if spec is not None and spec.get("method") not in ("ngram", "eagle3", "eagle",
                                                            "specx_eagle3", "specx_eagle",
                                                            "mtp", "specx_mtp"):
             spec.setdefault("model", draft)
-        llm = make_llm(target, speculative_config=spec, **{**overrides, **engine_args})
-        # Warm-up, not counted: every prompt at once for a few tokens, so that the batch's
-        # own shapes (not only batch 1's) have run before the first timed pass.
-        _run(llm, prompts, warm)
-        clocks[name] = _ForwardClock(llm)
+        try:
+            llm = make_llm(target, speculative_config=spec, **{**overrides, **engine_args})
+            # Warm-up, not counted: every prompt at once for a few tokens, so that the
+            # batch's own shapes (not only batch 1's) have run before the first timed pass.
+            _run(llm, prompts, warm)
+        except Exception as e:  # noqa: BLE001 -- one row's failure is a result, not the end
+            if name == "none" or not args.continue_on_error:
+                raise
+            failed.append({"config": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            traceback.print_exc()
+            print(f"{name}: failed to start or warm up: {failed[-1]['error']}", file=sys.stderr)
+            continue
+        if {**overrides, **engine_args}.get("enforce_eager", True):
+            clocks[name] = _ForwardClock(llm)
+        # else: a compiled model's calls dispatch to its compiled code, past a wrapper
+        # on the instance (or would trace it): no forward split for that row.
         sched = llm.llm_engine.vllm_config.scheduler_config
         engines.append((name, llm, bool(sched.async_scheduling)))
 
     timed: dict[str, dict[str, list[float]]] = {
-        n: {"tps": [], "cpu": [], "fwd": []} for n, _, _ in rows}
+        n: {"tps": [], "cpu": [], "fwd": []} for n, _, _ in engines}
     outputs: dict[str, list] = {}
     steps: dict[str, int] = {}
     for _ in range(args.repeats):
         for name, llm, _ in engines:
-            fwd0 = clocks[name].seconds
+            clock = clocks.get(name)
+            fwd0 = clock.seconds if clock else 0.0
             wall, cpu, n_steps, tokens, outs = _run(llm, prompts, params,
                                                     fresh=not args.keep_prefix_cache)
             timed[name]["tps"].append(tokens / wall)
             timed[name]["cpu"].append(1000 * cpu / tokens)
-            timed[name]["fwd"].append(1000 * (clocks[name].seconds - fwd0) / tokens)
+            timed[name]["fwd"].append(
+                1000 * (clock.seconds - fwd0) / tokens if clock else float("nan"))
             outputs[name], steps[name] = outs, n_steps
     base = statistics.median(timed["none"]["tps"])
     result = []
@@ -206,9 +226,11 @@ def main() -> int:
             "spread": round((max(tps) - min(tps)) / statistics.median(tps), 3),
             "tokens_per_s_runs": [round(t, 2) for t in tps],
             "cpu_ms_per_token": round(statistics.median(timed[name]["cpu"]), 3),
-            "target_forward_cpu_ms_per_token": round(statistics.median(timed[name]["fwd"]), 3),
-            "other_cpu_ms_per_token": round(statistics.median(
-                [c - f for c, f in zip(timed[name]["cpu"], timed[name]["fwd"])]), 3),
+            "target_forward_cpu_ms_per_token": (
+                round(statistics.median(timed[name]["fwd"]), 3) if name in clocks else None),
+            "other_cpu_ms_per_token": (round(statistics.median(
+                [c - f for c, f in zip(timed[name]["cpu"], timed[name]["fwd"])]), 3)
+                if name in clocks else None),
             "engine_steps": steps[name],
             "async_scheduling": is_async,
             "same_output_as_none": (outputs[name] == outputs["none"]
@@ -232,7 +254,7 @@ def main() -> int:
               "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
               "temperature": args.temperature,
               "repeats": args.repeats, "prefix_cache_kept": args.keep_prefix_cache,
-              "load": os.getloadavg(), "rows": result}
+              "load": os.getloadavg(), "rows": result, "failed": failed}
     print(json.dumps(report, indent=1))
     if args.output:
         with open(args.output, "w") as f:
@@ -240,12 +262,14 @@ def main() -> int:
     for r in result:
         print(f"{r['config']:28s} {r['speedup']:6.3f}x  {r['tokens_per_s']:8.2f} tok/s "
               f"(spread {100 * r['spread']:.1f}%)  cpu {r['cpu_ms_per_token']:7.3f} ms/token "
-              f"(forward {r['target_forward_cpu_ms_per_token']:.3f}, "
-              f"other {r['other_cpu_ms_per_token']:.3f})  "
+              f"(forward {r['target_forward_cpu_ms_per_token']}, "
+              f"other {r['other_cpu_ms_per_token']})  "
               f"steps {r['engine_steps']}  async {r['async_scheduling']}  "
               f"same {r['same_output_as_none']}", file=sys.stderr)
         if r.get("cost_control"):
             print(f"    cost control: {r['cost_control']}", file=sys.stderr)
+    for f in failed:
+        print(f"{f['config']:28s} FAILED: {f['error'][:300]}", file=sys.stderr)
     return 0
 
 
