@@ -144,6 +144,12 @@ class MethodSpec:
     # reserves K placeholder slots per request before the drafts exist, so such a method
     # runs with synchronous scheduling (config translation turns async off).
     ragged_drafts: bool = False
+    # True when, at a fixed K (no ``adaptive``, no tree), the method's Model Runner V2
+    # speculator is vLLM's own drafting unchanged (``glue/v2_eagle.py``): every request
+    # gets K drafts, so on V2 such a config is not ragged and keeps vLLM's async
+    # scheduling (:func:`drafts_ragged`). On V1 the specx chain proposer drafts even at a
+    # fixed K, and scheduling stays synchronous there.
+    v2_fixed_k_is_vllms: bool = False
     # The proposer vLLM-Ascend's NPU runner builds for this method (a subclass of
     # vLLM-Ascend's proposer base, driven through its ``_propose``), imported lazily.
     # None: the drafter cannot run on Ascend NPUs yet, and the method is refused at start
@@ -461,14 +467,20 @@ def tree_on(settings: Mapping[str, Any]) -> bool:
     return settings.get("draft_tree") not in (None, False)
 
 
-def drafts_ragged(settings: Mapping[str, Any]) -> bool:
+def drafts_ragged(settings: Mapping[str, Any], on_v2: bool = False) -> bool:
     """Whether the method's drafter, with these settings, may hand the scheduler fewer
     drafts than K for a request (then scheduling must be synchronous: the scheduler must
     see a step's real lengths before it schedules the next). ``mtad`` drafts K unless its
-    depth control is on (``"cost_control": true``: one depth 0..K per step)."""
+    depth control is on (``"cost_control": true``: one depth 0..K per step); on Model
+    Runner V2 (``on_v2``) a head method at a fixed K drafts with vLLM's own speculator
+    (``MethodSpec.v2_fixed_k_is_vllms``), K for every request."""
     spec = METHODS.get(settings.get("method", ""))
+    if tree_on(settings):
+        return True
+    if spec is not None and on_v2 and spec.v2_fixed_k_is_vllms and not settings.get("adaptive"):
+        return False
     return bool(
-        (spec is not None and spec.ragged_drafts) or tree_on(settings)
+        (spec is not None and spec.ragged_drafts)
         or (settings.get("method") == "mtad" and settings.get("cost_control")))
 
 
@@ -696,6 +708,7 @@ def _eagle_head_spec(name: str, vllm_method: str, what: str, runs_on_v2: bool) -
         proposer=named("vllm_specx.glue.eagle_chain_proposer:EagleChainProposer"),
         available=True,
         ragged_drafts=True,  # the adaptive stop drafts per-request lengths
+        v2_fixed_k_is_vllms=True,
         engine_checks=(named("vllm_specx.glue.patches:require_eagle_head_fits_target"),),
         vllm_alias=vllm_method,
         # On V2: vLLM's own V2 EagleSpeculator at a fixed K (the argmax chain the V1 chain
@@ -773,6 +786,7 @@ METHODS: dict[str, MethodSpec] = {
             proposer=named("vllm_specx.glue.mtp_proposer:MtpProposer"),
             available=True,
             ragged_drafts=True,  # the adaptive stop drafts per-request lengths
+            v2_fixed_k_is_vllms=True,
             # vLLM-Ascend's own MTP proposer (greedy MTP drafts, one-hot q), verified by
             # the specx sampler; the adaptive stop is refused on NPU.
             npu_proposer=named("vllm_ascend.spec_decode.eagle_proposer:AscendEagleProposer"),

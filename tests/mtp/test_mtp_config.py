@@ -17,11 +17,11 @@ LLAMA_CONFIG = {
 }
 
 
-def engine_config(model: str, speculative_config: dict):
+def engine_config(model: str, speculative_config: dict, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=model, skip_tokenizer_init=True,
-                      speculative_config=speculative_config).create_engine_config()
+                      speculative_config=speculative_config, **kw).create_engine_config()
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,35 @@ def test_specx_mtp_runs_vllm_mtp_with_specx_settings(mtp_target, spec):
     settings = cfg.additional_config[SPECX_CONFIG_KEY]
     assert settings["method"] == "specx_mtp" and settings["adaptive"] is True
     assert cfg.scheduler_config.async_scheduling is False  # ragged drafts
+
+
+def test_a_fixed_k_keeps_async_scheduling_on_v2_only(mtp_target, monkeypatch):
+    """At a fixed K, specx_mtp (as specx_eagle3) drafts on Model Runner V2 with vLLM's own
+    speculator, K for every request, so V2 keeps vLLM's async scheduling; on V1 the specx
+    chain drafter drafts, synchronously, and an explicit async request is refused in one
+    line that says so. With the adaptive stop the drafts are ragged on either runner."""
+    from vllm_specx.methods import drafts_ragged
+
+    fixed = {"method": "specx_mtp", "num_speculative_tokens": 2}
+    adaptive = {**fixed, "adaptive": True}
+    assert not drafts_ragged(fixed, on_v2=True) and drafts_ragged(fixed, on_v2=False)
+    assert drafts_ragged(adaptive, on_v2=True) and drafts_ragged(adaptive, on_v2=False)
+    assert not drafts_ragged({**fixed, "method": "specx_eagle3"}, on_v2=True)
+    assert drafts_ragged({**fixed, "draft_tree": True}, on_v2=True)
+    assert drafts_ragged({"method": "adaptive", "num_speculative_tokens": 2}, on_v2=True)
+    # This CPU process picks V1 (no Triton): synchronous, and async refused.
+    assert engine_config(mtp_target, dict(fixed)).scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match="on Model Runner V1: .*keeps async") as err:
+        engine_config(mtp_target, dict(fixed), async_scheduling=True)
+    assert "\n" not in str(err.value)
+    # Forced onto V2: no specx refusal of async at a fixed K (what remains is vLLM's own,
+    # no Triton here); the adaptive stop is still refused async.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="Model Runner V2 requires Triton") as err:
+        engine_config(mtp_target, dict(fixed), async_scheduling=True)
+    assert "async_scheduling" not in str(err.value)
+    with pytest.raises(ValueError, match="async_scheduling = true is not allowed"):
+        engine_config(mtp_target, dict(adaptive), async_scheduling=True)
 
 
 def test_plain_vllm_mtp_stays_vllm(mtp_target):

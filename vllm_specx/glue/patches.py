@@ -210,6 +210,39 @@ def runner_choice(v1_reason: str | None) -> tuple[bool, str]:
     return True, "vLLM's default; V1 if vLLM finds a feature V2 lacks, which it logs"
 
 
+def ragged_graphs_warning(method: str, settings: dict[str, Any], backend: str, on_v2: bool,
+                          enforce_eager: bool) -> str | None:
+    """The warning logged before start for a ragged config (:func:`drafts_ragged`) on
+    CUDA, Model Runner V2, with CUDA graphs: V2 captures its FULL decode graph for one
+    query length (1 + K), and a ragged step's queries of 1..K + 1 tokens replay the
+    PIECEWISE graphs instead. Measured on an H200 (docs/benchmarks/gpu.md, 2026-11-27):
+    0.18-0.19x of no speculation at batch 1. None elsewhere."""
+    if backend != "cuda" or not on_v2 or enforce_eager or not drafts_ragged(settings, True):
+        return None
+    return (f"vllm-specx: '{method}' with these settings drafts a different number of "
+            "tokens per request and step; on Model Runner V2 with CUDA graphs such steps "
+            "miss the FULL decode graph, and on an NVIDIA H200 this ran at 0.18-0.19x of no "
+            "speculation at batch 1 (docs/benchmarks/gpu.md). On a GPU vLLM's own 'eagle3' "
+            "or 'draft_model', or this method at a fixed K where it has one, are faster "
+            "today.")
+
+
+def async_refusal(method: str, settings: dict[str, Any]) -> str:
+    """The one-line refusal of ``async_scheduling: true`` for a config whose drafts
+    (:func:`~vllm_specx.methods.drafts_ragged`) need synchronous scheduling."""
+    spec = METHODS[method]
+    if spec.v2_fixed_k_is_vllms and not settings.get("adaptive") and not tree_on(settings):
+        return (f"async_scheduling = true is not allowed with speculative method '{method}' "
+                "on Model Runner V1: there the specx chain drafter drafts, synchronously; "
+                "on Model Runner V2 a fixed K drafts with vLLM's own speculator and keeps "
+                "async scheduling. Leave async_scheduling unset or false on V1.")
+    with_knob = (" with draft_tree" if tree_on(settings) else
+                 " with cost_control" if not spec.ragged_drafts else "")
+    return (f"async_scheduling = true is not allowed with speculative method "
+            f"'{method}'{with_knob}: it drafts a different number of tokens per request or "
+            "step, which the scheduler must see; leave async_scheduling unset or false.")
+
+
 def runner_announcement(method: str, v1_reason: str | None) -> str:
     """The line logged before start: the model runner the method will run on
     (:func:`runner_choice`) and, on V2, what it captures in CUDA graphs."""
@@ -299,20 +332,16 @@ class SpeculativeConfigTranslation(VllmPatch):
                                           target_model_config, target_parallel_config)
             if refusal is not None:  # docs/scaling-out.md: what runs under TP/DP/PP
                 raise refusal
-            if drafts_ragged(result.specx_settings):
+            on_v2 = runner_choice(v1_reason)[0]
+            slow = ragged_graphs_warning(method, result.specx_settings, backend.name, on_v2,
+                                         bool(getattr(self_, "enforce_eager", False)))
+            if slow is not None:
+                logger.warning("%s", slow)
+            if drafts_ragged(result.specx_settings, on_v2=on_v2):
                 # Async scheduling reserves K draft slots per request before the drafter
                 # runs; ragged drafts need the scheduler to see the real lengths.
                 if self_.async_scheduling:
-                    settings = result.specx_settings
-                    with_knob = (" with draft_tree" if tree_on(settings) else
-                                 " with cost_control" if not METHODS[method].ragged_drafts
-                                 else "")
-                    raise SpecxConfigError(
-                        f"async_scheduling = true is not allowed with speculative method "
-                        f"'{method}'{with_knob}: it drafts a different number of tokens "
-                        "per request or step, which the scheduler must see; leave "
-                        "async_scheduling unset or false."
-                    )
+                    raise SpecxConfigError(async_refusal(method, result.specx_settings))
                 self_.async_scheduling = False
             logger.info("vllm-specx: method %r -> vLLM %r with settings %s",
                         result.specx_settings["method"],
