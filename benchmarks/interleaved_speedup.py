@@ -68,25 +68,16 @@ def _parse_config(text: str) -> tuple[str, dict[str, Any] | None, dict[str, Any]
     return name, (None if cfg["method"] == "none" else cfg), engine_args
 
 
-class _ForwardClock:
-    """Process CPU seconds inside the target model's ``forward`` (either model runner:
-    both call ``runner.model``), wrapped on the module instance."""
+def _forward_clock(llm: Any) -> Any:
+    """A :class:`~vllm_specx.bench.clocks.CpuClock` on the target model's ``forward``
+    (either model runner: both call ``runner.model``), wrapped on the module instance."""
+    from vllm_specx.bench.clocks import CpuClock
+    from vllm_specx.testing.v2_engine import runner_of
 
-    def __init__(self, llm: Any) -> None:
-        from vllm_specx.testing.v2_engine import runner_of
-
-        model = runner_of(llm).model
-        inner = model.forward
-        self.seconds = 0.0
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.process_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds += time.process_time() - t0
-
-        model.forward = forward
+    model = runner_of(llm).model
+    clock = CpuClock()
+    model.forward = clock.wrap(model.forward)
+    return clock
 
 
 def _run(llm: Any, prompts: list[str], params: Any | list[Any], fresh: bool = True,
@@ -175,7 +166,7 @@ def main() -> int:
     warm = SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True)
     engines = []
     failed: list[dict[str, str]] = []
-    clocks: dict[str, _ForwardClock] = {}
+    clocks: dict[str, Any] = {}
     for name, spec, engine_args in rows:
         if spec is not None and spec.get("method") not in ("ngram", "eagle3", "eagle",
                                                            "specx_eagle3", "specx_eagle",
@@ -194,7 +185,7 @@ def main() -> int:
             print(f"{name}: failed to start or warm up: {failed[-1]['error']}", file=sys.stderr)
             continue
         if {**overrides, **engine_args}.get("enforce_eager", True):
-            clocks[name] = _ForwardClock(llm)
+            clocks[name] = _forward_clock(llm)
         # else: a compiled model's calls dispatch to its compiled code, past a wrapper
         # on the instance (or would trace it): no forward split for that row.
         sched = llm.llm_engine.vllm_config.scheduler_config

@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from vllm_specx.bench.clocks import CpuClock
+
 
 def _fixed(method: str) -> dict[str, Any]:
     """Settings that keep a specx method at exactly the drafts asked for: its cost control
@@ -55,47 +57,23 @@ def _configs(pair_draft: str, k: int, eagle3: str | None) -> list[tuple[str, dic
 
 
 class _ProposeClock:
-    """CPU seconds inside the drafter's ``propose`` (an instance attribute wrapper)."""
+    """CPU seconds inside the drafter's ``propose`` (``propose``) and the rejection
+    sampler's ``forward`` (``sampler``), wrapped on the instances."""
 
     def __init__(self, llm: Any) -> None:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         # V1 keeps the drafter as ``drafter``; Model Runner V2 (vLLM's default on a GPU) as
         # ``speculator``, whose entry point is ``propose`` too.
         drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
-        self.cpu = 0.0
-        self.sampler_cpu = 0.0
+        self.propose = CpuClock()
+        self.sampler = CpuClock()
         if drafter is not None:
-            self._wrap_propose(drafter)
-        # V1's sampler is an nn.Module (``forward``); V2's is a plain callable, left untimed
-        # (its column then reads 0).
+            drafter.propose = self.propose.wrap(drafter.propose)
+        # V1's sampler is an nn.Module (``forward``), vLLM's or the specx one; V2's is a
+        # plain callable, left untimed (its column then reads 0).
         sampler = getattr(runner, "rejection_sampler", None)
         if sampler is not None and hasattr(sampler, "forward"):
-            self._wrap_sampler(sampler)
-
-    def _wrap_propose(self, drafter: Any) -> None:
-        original = drafter.propose
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.process_time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.cpu += time.process_time() - t0
-
-        drafter.propose = timed
-
-    def _wrap_sampler(self, sampler: Any) -> None:
-        """The rejection sampler's forward (vLLM's or the specx one), same clock."""
-        sampler_forward = sampler.forward
-
-        def timed_sampler(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.process_time()
-            try:
-                return sampler_forward(*args, **kwargs)
-            finally:
-                self.sampler_cpu += time.process_time() - t0
-
-        sampler.forward = timed_sampler
+            sampler.forward = self.sampler.wrap(sampler.forward)
 
 
 def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, float, int, list]:
@@ -171,12 +149,12 @@ def main() -> int:
     steps: dict[str, int] = {}
     for _ in range(args.repeats):
         for name, llm, clock in engines:
-            before, s_before = clock.cpu, clock.sampler_cpu
+            before, s_before = clock.propose.seconds, clock.sampler.seconds
             cpu, wall, n, outs = _run(llm, prompts, args.max_tokens)
             rows[name]["cpu"].append(1000 * cpu / n)
             rows[name]["wall"].append(1000 * wall / n)
-            rows[name]["prop"].append(1000 * (clock.cpu - before) / n)
-            rows[name]["samp"].append(1000 * (clock.sampler_cpu - s_before) / n)
+            rows[name]["prop"].append(1000 * (clock.propose.seconds - before) / n)
+            rows[name]["samp"].append(1000 * (clock.sampler.seconds - s_before) / n)
             outputs[name], steps[name] = outs, n
     ref = outputs[configs[0][0]]
     result = []

@@ -53,6 +53,8 @@ import sys
 import time
 from typing import Any
 
+from vllm_specx.bench.clocks import CpuClock
+
 K = 4
 
 
@@ -74,21 +76,11 @@ def _force_zero(llm: Any, skip: bool) -> Any:
     return drafter
 
 
-class _ProposeClock:
-    """CPU seconds inside the drafter's ``propose``."""
-
-    def __init__(self, drafter: Any) -> None:
-        self.cpu = 0.0
-        original = drafter.propose
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.process_time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.cpu += time.process_time() - t0
-
-        drafter.propose = timed
+def _propose_clock(drafter: Any) -> CpuClock:
+    """A clock on the drafter's ``propose``."""
+    clock = CpuClock()
+    drafter.propose = clock.wrap(drafter.propose)
+    return clock
 
 
 # (owner, attribute): owner "runner", "scheduler", "drafter" (absent without speculation),
@@ -138,30 +130,27 @@ class _SplitClock:
                   "drafter": drafter,
                   "holes": drafter.kv_holes() if skipping else None,
                   "head": getattr(drafter, "model", None)}
-        self.cpu: dict[str, float] = {}
+        self.clocks: dict[str, CpuClock] = {}
         self.scheduled_tokens = 0  # the tokens the last step's schedule() scheduled
         for owner, name in _SPLIT:
             obj = owners[owner]
             if obj is None or not hasattr(obj, name):
                 continue
             key = f"{owner}.{name}"
-            self.cpu[key] = 0.0
-            setattr(obj, name, self._timed(key, getattr(obj, name)))
+            self.clocks[key] = CpuClock()
+            fn = self.clocks[key].wrap(getattr(obj, name))
+            setattr(obj, name, self._counting(fn) if key == "scheduler.schedule" else fn)
 
-    def _timed(self, key: str, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.process_time()
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                self.cpu[key] += time.process_time() - t0
-            if key == "scheduler.schedule":
-                self.scheduled_tokens += out.total_num_scheduled_tokens
+    def _counting(self, schedule: Any) -> Any:
+        """The scheduler's ``schedule``, counting the tokens it scheduled."""
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self.scheduled_tokens += out.total_num_scheduled_tokens
             return out
-        return timed
+        return counted
 
     def snapshot(self) -> dict[str, float]:
-        return dict(self.cpu)
+        return {key: clock.seconds for key, clock in self.clocks.items()}
 
 
 def _run(llm: Any, prompts: list[str], max_tokens: int, split: _SplitClock | None = None,
@@ -286,7 +275,7 @@ def main() -> int:
                 SpecDecodeBaseProposer.prepare_inputs_padded.__get__(drafter))
             drafter.prepare_next_token_ids_padded = (  # type: ignore[method-assign]
                 SpecDecodeBaseProposer.prepare_next_token_ids_padded.__get__(drafter))
-        clock = _ProposeClock(drafter) if drafter is not None else None
+        clock = _propose_clock(drafter) if drafter is not None else None
         split = _SplitClock(llm, drafter) if args.split else None
         _run(llm, prompts, args.max_tokens, split)  # warm-up, not counted
         engines.append((name, llm, clock, drafter, split))
@@ -297,13 +286,13 @@ def main() -> int:
     steps: dict[str, int] = {}
     for _ in range(args.repeats):
         for name, llm, clock, _, split in engines:
-            before = clock.cpu if clock else 0.0
+            before = clock.seconds if clock else 0.0
             if args.reset_prefix_cache:
                 llm.reset_prefix_cache()
             cpu, wall, n, outs, dec, pre, ptok = _run(llm, prompts, args.max_tokens, split)
             rows[name]["cpu"].append(1000 * cpu / n)
             rows[name]["wall"].append(1000 * wall / n)
-            rows[name]["prop"].append(1000 * ((clock.cpu if clock else 0.0) - before) / n)
+            rows[name]["prop"].append(1000 * ((clock.seconds if clock else 0.0) - before) / n)
             outputs[name], steps[name] = outs, n
             for key, sec in dec.items():
                 parts[name].setdefault(f"decode ms/step {key}", []).append(1000 * sec / n)
