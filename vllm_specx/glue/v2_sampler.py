@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
-from vllm_specx.algorithms.verify import VerifyBatch
+from vllm_specx.algorithms.verify import VerifyBatch, verify_greedy
 from vllm_specx.backends.base import Backend
 from vllm_specx.methods import METHODS
 
@@ -227,7 +227,7 @@ class SpecxV2RejectionSampler(RejectionSampler):
         is the draft that row verifies (-1: a placeholder, always rejected)."""
         device = processed.device
         num_logits, vocab_size = processed.shape
-        cu = cu_num_logits.to("cpu", torch.int64)
+        cu = self._host_cu_num_logits(cu_num_logits, idx_mapping_np, num_logits)
         num_reqs = cu.numel() - 1
         counts = (cu[1:] - cu[:-1]).tolist()  # K_r + 1 rows per request
         num_drafts = [c - 1 for c in counts]
@@ -241,34 +241,70 @@ class SpecxV2RejectionSampler(RejectionSampler):
 
         logits32 = processed.to(torch.float32)
         target_logits = logits32[draft_rows]
-        target_probs = target_logits.softmax(dim=-1)
         target_argmax = target_logits.argmax(dim=-1)
         # A placeholder (-1: no draft at that slot, e.g. a step starting inside the
         # prefill, or a draft the grammar forbids) goes to the rule as is: every rule
         # rejects an id outside the vocabulary, and the standard rule's residual for it is
         # p itself (algorithms/verify.py), what a non-proposal deserves.
         drafts = drafts_by_row.to(device)[draft_rows + 1].to(torch.int64)
+        cu_drafts = torch.tensor(np.cumsum(num_drafts), dtype=torch.int64, device=device)
+        max_spec_len = max(num_drafts) if num_drafts else 0
+        bonus_logits = logits32[last_rows]
 
         sampling = self.sampler.sampling_states
         temperature = sampling.temperature.np[idx_mapping_np]
+        sampled_reqs = np.flatnonzero(temperature != 0.0)
+        if not sampled_reqs.size:
+            # Every request greedy (either rule): the verdict reads only the greedy
+            # tokens, so no [T, V] softmax, no [B, V] rows, no random draws and no device
+            # value read back, as V1's specx sampler and vLLM's own do (same output:
+            # tests/algorithms/test_verify_rules.py).
+            out = verify_greedy(drafts, cu_drafts, target_argmax, bonus_logits.argmax(dim=-1),
+                                max_spec_len,
+                                uniform=all(n == max_spec_len for n in num_drafts))
+        else:
+            out = self._verify_sampled(
+                target_logits, target_argmax, drafts, cu_drafts, max_spec_len, bonus_logits,
+                temperature, sampled_reqs, idx_mapping_np, pos[starts.to(pos.device)],
+                num_drafts, draft_rows, expanded_idx_mapping, expanded_local_pos)
+        # out: [num_reqs, max_drafts + 1], -1 padded
+        sampled = torch.zeros(num_reqs, k_max + 1, dtype=torch.int64, device=device)
+        width = min(out.shape[1], k_max + 1)
+        sampled[:, :width] = out[:, :width].clamp(min=0)
+        num_sampled = (out[:, :width] >= 0).sum(dim=1).to(torch.int32)
+        return sampled, num_sampled
+
+    def _verify_sampled(self, target_logits: torch.Tensor, target_argmax: torch.Tensor,
+                        drafts: torch.Tensor, cu_drafts: torch.Tensor, max_spec_len: int,
+                        bonus_logits: torch.Tensor, temperature: np.ndarray,
+                        sampled_reqs: np.ndarray, idx_mapping_np: np.ndarray,
+                        first_pos: torch.Tensor, num_drafts: list[int],
+                        draft_rows: torch.Tensor, expanded_idx_mapping: torch.Tensor,
+                        expanded_local_pos: torch.Tensor) -> torch.Tensor:
+        """The method's rule over a step with sampled requests (``sampled_reqs``: their
+        rows): the backend's ``verify``, ``[num_reqs, max_spec_len + 1]``, -1 padded."""
+        device = target_logits.device
+        num_reqs, vocab_size = len(num_drafts), target_logits.shape[1]
         is_greedy = torch.from_numpy(temperature == 0.0).to(device)
-        seeds = sampling.seeds.np[idx_mapping_np]
-        first_pos = pos.to("cpu", torch.int64)[starts].tolist()
-        uniforms = torch.empty(int(sum(num_drafts)), dtype=torch.float32, device=device)
-        exp_noise = torch.empty(num_reqs, vocab_size, dtype=torch.float32, device=device)
-        bonus_noise = torch.empty(num_reqs, vocab_size, dtype=torch.float32, device=device)
-        offset = 0
-        for r in range(num_reqs):
+        # Randomness only for the sampled requests: a greedy request's verdict reads none
+        # of it (the greedy rule), and each sampled request draws from its own generator,
+        # seeded with (its seed, its first verified position), so leaving the greedy ones
+        # out changes no sampled request's draws.
+        uniforms = torch.zeros(int(sum(num_drafts)), dtype=torch.float32, device=device)
+        exp_noise = torch.ones(num_reqs, vocab_size, dtype=torch.float32, device=device)
+        bonus_noise = torch.ones(num_reqs, vocab_size, dtype=torch.float32, device=device)
+        seeds = self.sampler.sampling_states.seeds.np[idx_mapping_np]
+        positions = first_pos.to("cpu", torch.int64).tolist()
+        offsets = np.concatenate([[0], np.cumsum(num_drafts)])
+        for r in sampled_reqs.tolist():
             gen = torch.Generator(device=device)
-            gen.manual_seed((int(seeds[r]) * _SEED_MIX + first_pos[r]) % (2**63 - 1))
-            n = num_drafts[r]
+            gen.manual_seed((int(seeds[r]) * _SEED_MIX + positions[r]) % (2**63 - 1))
+            n, offset = num_drafts[r], int(offsets[r])
             uniforms[offset: offset + n] = torch.rand(n, generator=gen, device=device)
             exp_noise[r].exponential_(generator=gen)
             bonus_noise[r].exponential_(generator=gen)
-            offset += n
 
         # The bonus (extra) token, drawn here from the last row's warped logits.
-        bonus_logits = logits32[last_rows]
         bonus_sampled = (bonus_logits.softmax(dim=-1) / bonus_noise).argmax(dim=-1)
         bonus_tokens = torch.where(is_greedy, bonus_logits.argmax(dim=-1), bonus_sampled)
         vocab_ids = torch.arange(vocab_size, device=device)
@@ -280,25 +316,47 @@ class SpecxV2RejectionSampler(RejectionSampler):
         batch = VerifyBatch(
             rule=self.rule,
             draft_token_ids=drafts,
-            cu_num_draft_tokens=torch.tensor(np.cumsum(num_drafts), dtype=torch.int64,
-                                             device=device),
-            target_probs=target_probs,
+            cu_num_draft_tokens=cu_drafts,
+            target_probs=target_logits.softmax(dim=-1),
             bonus_probs=bonus_probs,
             is_greedy=is_greedy,
             uniforms=uniforms,
             exp_noise=exp_noise,
-            max_spec_len=max(num_drafts) if num_drafts else 0,
+            max_spec_len=max_spec_len,
             target_argmax=target_argmax,
             draft_probs=full_q,
             draft_token_probs=token_q,
             acceptance_threshold=self.acceptance_threshold,
         )
-        out = self.backend.verify(batch)  # [num_reqs, max_drafts + 1], -1 padded
-        sampled = torch.zeros(num_reqs, k_max + 1, dtype=torch.int64, device=device)
-        width = min(out.shape[1], k_max + 1)
-        sampled[:, :width] = out[:, :width].clamp(min=0)
-        num_sampled = (out[:, :width] >= 0).sum(dim=1).to(torch.int32)
-        return sampled, num_sampled
+        return self.backend.verify(batch)
+
+    # The step's V2 InputBatch while _verify_in_chunks runs (its host-side layout).
+    _input_batch: Any = None
+
+    def _verify_in_chunks(self, logits: torch.Tensor, input_batch: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+        """V2's, with the step's ``input_batch`` at hand for :meth:`verify_rows`, which
+        reads the logits layout from its host copy instead of copying the device one
+        back: a read-back waits for the target's forward, and under async scheduling
+        that stall is the overlap lost."""
+        self._input_batch = input_batch
+        try:
+            return super()._verify_in_chunks(logits, input_batch, *args, **kwargs)
+        finally:
+            self._input_batch = None
+
+    def _host_cu_num_logits(self, cu_num_logits: torch.Tensor, idx_mapping_np: np.ndarray,
+                            num_logits: int) -> torch.Tensor:
+        """This chunk's ``cu_num_logits`` on the host: V2's own ``cu_num_logits_np`` when
+        the chunk is the whole batch (every step short of V2's chunk limit), else the
+        device tensor read back."""
+        batch = self._input_batch
+        n = len(idx_mapping_np)
+        if batch is not None and batch.num_reqs == n:
+            cu_np = np.asarray(batch.cu_num_logits_np[: n + 1], dtype=np.int64)
+            if int(cu_np[-1] - cu_np[0]) == num_logits:
+                return torch.from_numpy(cu_np - cu_np[0])
+        return cu_num_logits.to("cpu", torch.int64)
 
     def _draft_q(self, draft_rows: torch.Tensor, expanded_idx_mapping: torch.Tensor,
                  expanded_local_pos: torch.Tensor
