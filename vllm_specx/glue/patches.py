@@ -224,7 +224,8 @@ def ragged_graphs_warning(method: str, settings: dict[str, Any], backend: str, o
             "miss the FULL decode graph, and on an NVIDIA H200 this ran at 0.18-0.19x of no "
             "speculation at batch 1 (docs/benchmarks/gpu.md). On a GPU vLLM's own 'eagle3' "
             "or 'draft_model', or this method at a fixed K where it has one, are faster "
-            "today.")
+            "today; VLLM_SPECX_V2_PLAIN_STEP_GRAPHS=1 gives its plain steps FULL graphs "
+            "(experimental: not yet run on a GPU).")
 
 
 def async_refusal(method: str, settings: dict[str, Any]) -> str:

@@ -34,6 +34,8 @@ Patches (name -- scope -- what in vLLM changes):
   ``GPUModelRunner.take_draft_token_ids`` (when vLLM imports it)
 * v2_specx_sampler -- always -- Model Runner V2's ``GPUModelRunner.load_model`` (when vLLM
   imports it)
+* v2_plain_step_graphs -- always -- Model Runner V2's ``ModelCudaGraphManager.__init__`` (when
+  vLLM imports it)
 * v2_tree_step_inputs -- always -- Model Runner V2's ``GPUModelRunner.prepare_attn`` (when
   vLLM imports it)
 * v2_tree_step_forward -- always -- Model Runner V2's ``GPUModelRunner.execute_model`` (when
@@ -343,6 +345,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "instance attribute", ("vllm_specx/glue/v2_eagle.py",),
                 "the V2 runner's unfinished requests: an EAGLE/MTP head's kept first-pass "
                 "inputs of the others are dropped (HeadKVHoles)"),
+    # --- plain-step graphs on Model Runner V2 (opt-in) ------------------------------------
+    PrivateName("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager", "_init_candidates",
+                "attribute", ("vllm_specx/glue/v2_patches.py",),
+                "vLLM's graph planning, run again for 1-token decode queries "
+                "(add_plain_step_graphs)"),
+    *(PrivateName("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager", name,
+                  "instance attribute", ("vllm_specx/glue/v2_patches.py",),
+                  "the graphs to capture by mode, and each token count's candidates in "
+                  "dispatch order: the 1-token FULL decode graphs join them")
+      for name in ("_capture_descs", "_candidates")),
     # --- the specx sampler --------------------------------------------------------------
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),

@@ -35,11 +35,12 @@ from typing import Any
 
 from vllm_specx.config import SpecxConfigError, specx_settings
 from vllm_specx.glue.patch_base import VllmPatch
-from vllm_specx.methods import METHODS, draft_model_tree, tree_on
+from vllm_specx.methods import METHODS, draft_model_tree, drafts_ragged, tree_on
 
 logger = logging.getLogger("vllm.specx")
 
-__all__ = ["V2_PATCHES", "V2RaggedDraftLengths", "V2SpecxSampler", "V2SpecxSpeculator",
+__all__ = ["V2_PATCHES", "V2PlainStepGraphs", "V2RaggedDraftLengths", "V2SpecxSampler",
+           "V2SpecxSpeculator", "add_plain_step_graphs",
            "install_v2_speculator"]
 
 
@@ -172,5 +173,92 @@ class V2SpecxSampler(VllmPatch):
         return load_model
 
 
+# Opt-in until a GPU run has shown the plain-step graphs lossless (docs/model-runners.md
+# "CUDA graphs on V2"); read once per engine, when V2 builds its graph manager.
+PLAIN_STEP_GRAPHS_ENV = "VLLM_SPECX_V2_PLAIN_STEP_GRAPHS"
+
+
+def add_plain_step_graphs(manager: Any) -> list[int]:
+    """Give a V2 ``ModelCudaGraphManager`` FULL decode graphs for 1-token queries too.
+
+    V2 captures its FULL decode graphs for one query length, ``decode_query_len`` = 1 + K,
+    and a batch of other uniform lengths replays the PIECEWISE graphs. A ragged specx
+    method's plain step (cost control planned no drafts: every request's query is the
+    one token just sampled) is such a batch. vLLM's own candidate builder
+    (``_init_candidates``) is run a second time with ``decode_query_len`` = 1, as vLLM
+    runs it over several lengths for its dynamic speculative decoding, and its FULL
+    descriptors join the manager's: captured with the rest, and preferred by
+    ``dispatch`` for a uniform 1-token batch (a FULL descriptor matches only its own
+    ``uniform_token_count``; PIECEWISE ones stay last). Returns the token counts of the
+    added graphs (none when the mode has no separate FULL decode routine)."""
+    from vllm.config import CUDAGraphMode
+
+    decode_mode = manager.cudagraph_mode.decode_mode() if manager.cudagraph_mode else None
+    if (decode_mode != CUDAGraphMode.FULL or not manager.cudagraph_mode.separate_routine()
+            or manager.varlen_decode or manager.decode_query_len <= 1):
+        return []
+    own_capture, own_candidates = manager._capture_descs, manager._candidates
+    query_len = manager.decode_query_len
+    manager._capture_descs, manager._candidates = {}, {}
+    manager.decode_query_len = 1
+    try:
+        manager._init_candidates()
+        plain = [d for d in manager._capture_descs.get(decode_mode, [])
+                 if d.uniform_token_count == 1]
+        plain_candidates = manager._candidates
+    finally:
+        manager.decode_query_len = query_len
+        manager._capture_descs, manager._candidates = own_capture, own_candidates
+    if not plain:
+        return []
+    descs = own_capture.setdefault(decode_mode, [])
+    descs.extend(d for d in plain if d not in descs)
+    descs.sort(key=lambda d: d.num_tokens, reverse=True)
+    for key, candidates in plain_candidates.items():
+        added = [d for d in candidates if d.uniform_token_count == 1
+                 and d.cg_mode == decode_mode]
+        have = own_candidates.setdefault(key, [])
+        full = [d for d in have if d.cg_mode == CUDAGraphMode.FULL]
+        rest = [d for d in have if d.cg_mode != CUDAGraphMode.FULL]
+        own_candidates[key] = full + [d for d in added if d not in full] + rest
+    return sorted(d.num_tokens for d in plain)
+
+
+class V2PlainStepGraphs(VllmPatch):
+    name = "v2_plain_step_graphs"
+    target = "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager.__init__"
+    replaces = (
+        "Model Runner V2's ModelCudaGraphManager.__init__, which plans FULL decode graphs "
+        "for one query length (1 + K tokens per request) and PIECEWISE graphs for the rest"
+    )
+    why = (
+        "a ragged specx method (adaptive stop, cost control) mostly runs plain steps of one "
+        "token per request, which replay PIECEWISE graphs (measured: 4.5x a plain step of "
+        "vLLM on an H200); with VLLM_SPECX_V2_PLAIN_STEP_GRAPHS=1 the manager also plans "
+        "FULL decode graphs for 1-token queries (add_plain_step_graphs). Opt-in: not yet "
+        "run on a GPU"
+    )
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        def __init__(self_: Any, vllm_config: Any, *args: Any, **kw: Any) -> None:
+            original(self_, vllm_config, *args, **kw)
+            settings = specx_settings(vllm_config)
+            if not settings or not drafts_ragged(settings, on_v2=True):
+                return
+            from vllm_specx.envflags import env_flag
+
+            if not env_flag(PLAIN_STEP_GRAPHS_ENV):
+                return
+            sizes = add_plain_step_graphs(self_)
+            if sizes:
+                logger.info("vllm-specx: %s on Model Runner V2 also captures FULL decode "
+                            "graphs for 1-token queries (plain steps), token counts %s "
+                            "(%s=1, not yet run on a GPU)", settings["method"], sizes,
+                            PLAIN_STEP_GRAPHS_ENV)
+
+        return __init__
+
+
 V2_PATCHES: tuple[VllmPatch, ...] = (V2SpecxSpeculator(), V2RaggedDraftLengths(),
-                                     V2SpecxSampler())
+                                     V2SpecxSampler(), V2PlainStepGraphs())
