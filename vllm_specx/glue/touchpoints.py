@@ -367,7 +367,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler",
                 "_verify", "attribute", ("vllm_specx/glue/v2_sampler.py",),
                 "Model Runner V2's verification step (warped logits in, [num_reqs, K + 1] "
-                "tokens and their count out); the specx V2 sampler overrides only it"),
+                "tokens and their count out); the specx V2 sampler overrides it"),
+    PrivateName("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler",
+                "_verify_in_chunks", "attribute", ("vllm_specx/glue/v2_sampler.py",),
+                "calls _verify per chunk of requests with the step's InputBatch, whose "
+                "host cu_num_logits_np the specx V2 sampler reads instead of the device one"),
     # --- the specx_mtp / specx_eagle(3) drafter (a subclass of vLLM's EagleProposer) ---
     PrivateName("vllm.v1.spec_decode.eagle:EagleProposer", "hidden_states",
                 "instance attribute", ("vllm_specx/glue/eagle_chain_proposer.py",
