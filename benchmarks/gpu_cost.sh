@@ -62,6 +62,14 @@ pack() {
   tar -C "$OUT" -czf "$PACK_TO.tmp" --exclude '*.tgz*' . && mv "$PACK_TO.tmp" "$PACK_TO"
 }
 
+# On the GPU kit's machine the checkout travels without vllm_specx/models (slim.sh) and the
+# kit links its staged copy in; if that link is missing (seen 2026-11-27: an empty folder was
+# there first), link it here rather than fail every stage on the missing drafter.
+KIT_MODELS="${KIT_DEV_ROOT:-/nonexistent}/real/vllm_specx/models"
+if [ ! -f vllm_specx/models/smollm2_draft/config.json ] && [ -d "$KIT_MODELS/smollm2_draft" ]; then
+  rm -rf vllm_specx/models && ln -s "$KIT_MODELS" vllm_specx/models
+  echo "gpu_cost: linked vllm_specx/models -> $KIT_MODELS"
+fi
 HEAD="$(realpath vllm_specx/models/smollm2_eagle3)"
 EA="{\"dtype\": \"bfloat16\", \"enforce_eager\": ${EAGER:-true}, \"gpu_memory_utilization\": ${GPU_MEM:-0.2}}"
 CONFIGS=(
