@@ -232,7 +232,7 @@ def async_refusal(method: str, settings: dict[str, Any]) -> str:
     """The one-line refusal of ``async_scheduling: true`` for a config whose drafts
     (:func:`~vllm_specx.methods.drafts_ragged`) need synchronous scheduling."""
     spec = METHODS[method]
-    if spec.v2_fixed_k_is_vllms and not settings.get("adaptive") and not tree_on(settings):
+    if not drafts_ragged(settings, on_v2=True):  # ragged only here, on V1 (a fixed-K head)
         return (f"async_scheduling = true is not allowed with speculative method '{method}' "
                 "on Model Runner V1: there the specx chain drafter drafts, synchronously; "
                 "on Model Runner V2 a fixed K drafts with vLLM's own speculator and keeps "

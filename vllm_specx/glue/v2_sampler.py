@@ -140,7 +140,7 @@ class SpecxV2RejectionSampler(RejectionSampler):
         if not trees:
             return
         device = processed.device
-        cu = cu_num_logits.to("cpu", torch.int64)
+        cu = self._host_cu_num_logits(cu_num_logits, idx_mapping_np, processed.shape[0])
         for tree, r in trees:
             if int(cu[r + 1] - cu[r]) != tree.parents.shape[0] + 1:
                 raise RuntimeError(
