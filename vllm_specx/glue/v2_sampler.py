@@ -40,6 +40,7 @@ one-hot (the EAGLE / MTP family and every argmax draft): the standard rule accep
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,25 @@ def store_draft_q(speculator: Any, idx_mapping: torch.Tensor, q: torch.Tensor | 
 
 def _mtad_threshold(settings: dict[str, Any], rule: str) -> float:
     return float(settings["acceptance_threshold"]) if rule == "mtad" else 1.0
+
+
+@dataclass
+class _StepDrafts:
+    """A step's drafts over V2's logits layout, as :meth:`SpecxV2RejectionSampler.verify_rows`
+    lays them out for the rules: ``draft_rows`` are the logits rows that verify a draft
+    (every row of a request but its last), ``target_logits`` / ``target_argmax`` those
+    rows' float32 logits and argmax, ``drafts`` the draft each verifies (-1: a
+    placeholder), ``num_drafts`` / ``cu_drafts`` per request, and ``bonus_logits`` each
+    request's last row."""
+
+    draft_rows: torch.Tensor
+    target_logits: torch.Tensor
+    target_argmax: torch.Tensor
+    drafts: torch.Tensor
+    num_drafts: list[int]
+    cu_drafts: torch.Tensor
+    max_spec_len: int
+    bonus_logits: torch.Tensor
 
 
 class SpecxV2RejectionSampler(RejectionSampler):
@@ -241,15 +261,18 @@ class SpecxV2RejectionSampler(RejectionSampler):
 
         logits32 = processed.to(torch.float32)
         target_logits = logits32[draft_rows]
-        target_argmax = target_logits.argmax(dim=-1)
-        # A placeholder (-1: no draft at that slot, e.g. a step starting inside the
-        # prefill, or a draft the grammar forbids) goes to the rule as is: every rule
-        # rejects an id outside the vocabulary, and the standard rule's residual for it is
-        # p itself (algorithms/verify.py), what a non-proposal deserves.
-        drafts = drafts_by_row.to(device)[draft_rows + 1].to(torch.int64)
-        cu_drafts = torch.tensor(np.cumsum(num_drafts), dtype=torch.int64, device=device)
         max_spec_len = max(num_drafts) if num_drafts else 0
-        bonus_logits = logits32[last_rows]
+        step = _StepDrafts(
+            draft_rows=draft_rows, target_logits=target_logits,
+            target_argmax=target_logits.argmax(dim=-1),
+            # A placeholder (-1: no draft at that slot, e.g. a step starting inside the
+            # prefill, or a draft the grammar forbids) goes to the rule as is: every rule
+            # rejects an id outside the vocabulary, and the standard rule's residual for
+            # it is p itself (algorithms/verify.py), what a non-proposal deserves.
+            drafts=drafts_by_row.to(device)[draft_rows + 1].to(torch.int64),
+            num_drafts=num_drafts,
+            cu_drafts=torch.tensor(np.cumsum(num_drafts), dtype=torch.int64, device=device),
+            max_spec_len=max_spec_len, bonus_logits=logits32[last_rows])
 
         sampling = self.sampler.sampling_states
         temperature = sampling.temperature.np[idx_mapping_np]
@@ -259,14 +282,13 @@ class SpecxV2RejectionSampler(RejectionSampler):
             # tokens, so no [T, V] softmax, no [B, V] rows, no random draws and no device
             # value read back, as V1's specx sampler and vLLM's own do (same output:
             # tests/algorithms/test_verify_rules.py).
-            out = verify_greedy(drafts, cu_drafts, target_argmax, bonus_logits.argmax(dim=-1),
-                                max_spec_len,
+            out = verify_greedy(step.drafts, step.cu_drafts, step.target_argmax,
+                                step.bonus_logits.argmax(dim=-1), max_spec_len,
                                 uniform=all(n == max_spec_len for n in num_drafts))
         else:
-            out = self._verify_sampled(
-                target_logits, target_argmax, drafts, cu_drafts, max_spec_len, bonus_logits,
-                temperature, sampled_reqs, idx_mapping_np, pos[starts.to(pos.device)],
-                num_drafts, draft_rows, expanded_idx_mapping, expanded_local_pos)
+            out = self._verify_sampled(step, temperature, sampled_reqs, idx_mapping_np,
+                                       pos[starts.to(pos.device)], expanded_idx_mapping,
+                                       expanded_local_pos)
         # out: [num_reqs, max_drafts + 1], -1 padded
         sampled = torch.zeros(num_reqs, k_max + 1, dtype=torch.int64, device=device)
         width = min(out.shape[1], k_max + 1)
@@ -274,15 +296,14 @@ class SpecxV2RejectionSampler(RejectionSampler):
         num_sampled = (out[:, :width] >= 0).sum(dim=1).to(torch.int32)
         return sampled, num_sampled
 
-    def _verify_sampled(self, target_logits: torch.Tensor, target_argmax: torch.Tensor,
-                        drafts: torch.Tensor, cu_drafts: torch.Tensor, max_spec_len: int,
-                        bonus_logits: torch.Tensor, temperature: np.ndarray,
+    def _verify_sampled(self, step: _StepDrafts, temperature: np.ndarray,
                         sampled_reqs: np.ndarray, idx_mapping_np: np.ndarray,
-                        first_pos: torch.Tensor, num_drafts: list[int],
-                        draft_rows: torch.Tensor, expanded_idx_mapping: torch.Tensor,
+                        first_pos: torch.Tensor, expanded_idx_mapping: torch.Tensor,
                         expanded_local_pos: torch.Tensor) -> torch.Tensor:
         """The method's rule over a step with sampled requests (``sampled_reqs``: their
         rows): the backend's ``verify``, ``[num_reqs, max_spec_len + 1]``, -1 padded."""
+        target_logits, num_drafts = step.target_logits, step.num_drafts
+        bonus_logits, draft_rows = step.bonus_logits, step.draft_rows
         device = target_logits.device
         num_reqs, vocab_size = len(num_drafts), target_logits.shape[1]
         is_greedy = torch.from_numpy(temperature == 0.0).to(device)
@@ -315,15 +336,15 @@ class SpecxV2RejectionSampler(RejectionSampler):
             token_q = torch.ones(draft_rows.numel(), dtype=torch.float32, device=device)
         batch = VerifyBatch(
             rule=self.rule,
-            draft_token_ids=drafts,
-            cu_num_draft_tokens=cu_drafts,
+            draft_token_ids=step.drafts,
+            cu_num_draft_tokens=step.cu_drafts,
             target_probs=target_logits.softmax(dim=-1),
             bonus_probs=bonus_probs,
             is_greedy=is_greedy,
             uniforms=uniforms,
             exp_noise=exp_noise,
-            max_spec_len=max_spec_len,
-            target_argmax=target_argmax,
+            max_spec_len=step.max_spec_len,
+            target_argmax=step.target_argmax,
             draft_probs=full_q,
             draft_token_probs=token_q,
             acceptance_threshold=self.acceptance_threshold,
