@@ -318,6 +318,43 @@ def test_acceptance_history_rates_and_probes():
     assert h.rates(["bad"])[0].tolist() == pytest.approx(h.pooled_rates().tolist())
 
 
+def _idle_steps_to_probe(h: AcceptanceHistory, rid: str) -> int:
+    """Steps planned at zero until ``rid`` probes (its probe drafts one token)."""
+    for step in range(1, 10**4):
+        if h.probes([rid], np.zeros(1, dtype=np.int64))[0]:
+            return step
+    raise AssertionError("never probed")
+
+
+def test_probes_back_off_while_they_fail():
+    # A reference written out: the interval starts at probe_interval, doubles per rejected
+    # probe up to 2 ** max_probe_backoff times, and an accepted probe or a plan that drafts
+    # for the request brings it back.
+    h = AcceptanceHistory(2, probe_interval=4, max_probe_backoff=2)
+    waits = []
+    for accepted in (0, 0, 0, 0, 1, 0):
+        waits.append(_idle_steps_to_probe(h, "r"))
+        h.observe("r", drafted=1, accepted=accepted)
+    assert waits == [4, 8, 16, 16, 16, 4]
+    assert h.probe_intervals(["r"]).tolist() == [8]
+    h.probes(["r"], np.array([2]))  # the plan drafts for it: the usual interval again
+    assert h.probe_intervals(["r"]).tolist() == [4]
+    assert _idle_steps_to_probe(h, "r") == 4
+    # Only a probe's verdict moves the interval: the plan's own drafts do not double it.
+    for _ in range(5):
+        h.probes(["r"], np.array([1]))
+        h.observe("r", drafted=1, accepted=0)
+    assert h.probe_intervals(["r"]).tolist() == [4]
+    # Per request, and forgotten with the request.
+    h2 = AcceptanceHistory(2, probe_interval=4)
+    for _ in range(4):
+        h2.probes(["a", "b"], np.zeros(2, dtype=np.int64))
+    h2.observe_many(["a", "b"], [1, 1], [0, 1])
+    assert h2.probe_intervals(["a", "b"]).tolist() == [8, 4]
+    h2.forget_except(["b"])
+    assert h2.probe_intervals(["a", "b"]).tolist() == [4, 4]
+
+
 # -- beam rounds (mtad): per-request depths with per-request beam widths ----------------
 
 

@@ -326,6 +326,30 @@ def test_control_probes_only_where_a_sure_token_would_pay(cheap):
     assert (control.describe()["probes"] > 0) == cheap
 
 
+def test_a_request_whose_probes_fail_at_batch_1_goes_idle_long_enough_to_retire():
+    # Batch 1 with cheap drafting (a sure token pays, so probes are always allowed) and
+    # every draft rejected: the probes back off until an idle run reaches the skipped
+    # steps after which DraftKVHoles retires a request. Without the back-off a probe every
+    # probe_interval steps reset the run and the request never retired.
+    from vllm_specx.glue.draft_passes import DraftKVHoles
+
+    control = CostControl(4)
+    control.fixed_costs = StepCosts(1.0, 0.0, 0.05, 0.05, 0.02, draft_round=0.05)
+    inner = ConfidenceStop(0.0, max_tokens=4)
+    ids = ("a",)
+    idle_run, longest, probes, drafted = 0, 0, 0, [0]
+    for _ in range(8 * DraftKVHoles.retire_after):
+        control.begin(ids, torch.tensor([1]), None)
+        control.history.observe_many(ids, drafted, [0])
+        plan = control.plan(ids, 4, inner, torch.device("cpu"))
+        drafted = (plan.caps > 0).long().tolist()
+        probes += drafted[0]
+        idle_run = 0 if drafted[0] else idle_run + 1
+        longest = max(longest, idle_run)
+        control.end(ids, drafted, 0, 0)
+    assert probes >= 2 and longest >= DraftKVHoles.retire_after
+
+
 def test_nonnegative_fit_equals_a_reference_nnls():
     # The exact subset search against SciPy's NNLS on the same least-squares problem.
     optimize = pytest.importorskip("scipy.optimize")

@@ -236,7 +236,10 @@ def cost_control_line(control: dict[str, Any]) -> str:
     return (
         f"{text}; {control.get('steps')} steps planned, {control.get('all_zero_steps')} "
         f"drafting nothing, {control.get('partial_zero_steps')} drafting for some requests "
-        f"only; pooled acceptance per position {control.get('pooled_acceptance')}"
+        f"only"
+        + (f", {control['probes']} probes (one token for a request idle for its probe "
+           "interval)" if control.get("probes") else "")
+        + f"; pooled acceptance per position {control.get('pooled_acceptance')}"
         + (f"; request-rounds per depth {control['depth_histogram']}"
            if control.get("depth_histogram") else "")
         + _retired_text(control.get("idle_first_pass"))

@@ -666,7 +666,9 @@ class DraftKVHoles:
     """
 
     # Skipped steps in a row after which a request retires: three probe intervals
-    # (``AcceptanceHistory.probe_interval``), and short enough that a head's decode-only
+    # (``AcceptanceHistory.probe_interval``), less than the interval after two rejected
+    # probes (the probes back off: at batch 1 a request whose drafts do not pay retires
+    # instead of probing for its whole life), and short enough that a head's decode-only
     # hole (one position a step, plus the verified rows of its first skipped step) stays
     # within ``HeadKVHoles.max_hole`` (64) until then.
     retire_after = 48
