@@ -251,11 +251,12 @@ class AcceptanceHistory:
     the request on its own account, resets it. Why: at batch 1, where one certainly
     accepted token always pays, a request whose drafts did not pay probed every 16 steps
     for its whole life, and each probe also kept its draft KV upkeep going (the catch-ups,
-    and never reaching ``DraftKVHoles.retire_after``): real pair, T = 1, ``adaptive``
-    drafted on 74 of 788 steps, all probes accepted at 0.22 against a break-even near
-    0.3, and spent 3.4 ms per token more CPU than no speculation outside the target's
-    forward (0.85x). With the back-off, a request whose probes keep failing goes idle long
-    enough to retire.
+    and never reaching ``DraftKVHoles.retire_after``). With the back-off, a request whose
+    probes keep failing goes idle long enough to retire: real pair, batch 1, T = 1,
+    ``adaptive`` over 4 x 256 tokens (first-position acceptance about 0.17 against a
+    break-even near 0.23), the drafter's CPU outside the target's forward went from 3.8 to
+    1.8 ms per token over no speculation, 11 of 16 requests retiring (docs/cost-control.md,
+    "Probes that back off").
 
     Requests live in rows of two ``[slots, K]`` count arrays (one row per request id), so
     a step's updates and reads are a few array operations whatever the batch size."""
