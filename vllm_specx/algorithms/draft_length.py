@@ -511,6 +511,10 @@ class ConfidenceCalibration:
                 torch.as_tensor(self.table(), dtype=torch.float32, device=device))
 
 
+# Probabilities are floored here before their logs are taken (a zero would give -inf).
+_TINY = 1e-12
+
+
 class CostStop:
     """A :class:`~.draft_stop.DraftStopRule`: the planned lengths and the cost threshold,
     over another rule (the method's own stop, which may stop a request earlier).
@@ -533,10 +537,13 @@ class CostStop:
     same costs the plan used: at batch 1 a confident draft goes deeper than the plan's
     length from acceptance alone, a doubtful one stops earlier.
 
-    The state is ``[R, 3 + 2K]``: the inner rule's state, ``log P_r``, the cap, the rates
-    and the raw confidence read at each depth (NaN where none was), so the round's slicing
-    by its live rows carries each row's own plan along, and the round can hand the
-    confidences back (:meth:`confidences`) for the calibration to learn from.
+    The state is ``[R, 3 + 2K]``: the inner rule's state, ``log P_r``, the cap, the rates'
+    logs and the raw confidence read at each depth (NaN where none was), so the round's
+    slicing by its live rows carries each row's own plan along, and the round can hand the
+    confidences back (:meth:`confidences`) for the calibration to learn from. The logs of
+    the rates and of the calibration table are taken once, when the rule is made: a step
+    runs once per depth of every drafting round, and on a launch-bound device each of its
+    tensor operations is a kernel.
     """
 
     def __init__(
@@ -558,6 +565,9 @@ class CostStop:
         self.signal = signal
         self.head = head
         self.calibration = calibration
+        self._log_threshold = float(np.log(max(self.threshold, _TINY)))
+        self._log_table = (None if calibration is None
+                           else calibration[1].float().clamp_min(_TINY).log())
         # Whether step() reads a confidence per token (what confidences() returns).
         self.reads_confidence = signal not in ("head", "history")
         self.min_tokens = 1
@@ -571,7 +581,7 @@ class CostStop:
             inner.view(num_rows, 1),
             torch.zeros(num_rows, 1, device=device),
             self.row_caps.to(device=device, dtype=torch.float32).view(num_rows, 1),
-            self.rates.to(device),
+            self.rates.to(device).clamp_min(_TINY).log(),
             torch.full_like(self.rates, float("nan"), device=device),
         ], dim=1)
 
@@ -595,36 +605,34 @@ class CostStop:
             hidden=hidden)
         k = self.rates.shape[1]
         log_p, caps = state[:, 1], state[:, 2]
-        rates, read = state[:, 3:3 + k], state[:, 3 + k:]
-        tiny = 1e-12
+        log_rates = state[:, 3:3 + k]
+        new_state = state.clone()
         if self.signal == "head":
             if depth >= 1 and hidden is not None and self.head is not None:
                 with torch.no_grad():
-                    log_p = log_p + self.head.accept_prob(hidden).float().clamp_min(tiny).log()
-            current = log_p + rates[:, min(depth, k - 1)].clamp_min(tiny).log()
+                    log_p = log_p + self.head.accept_prob(hidden).float().clamp_min(
+                        _TINY).log()
+            current = log_p + log_rates[:, min(depth, k - 1)]
         elif self.signal == "history":
-            log_p = log_p + rates[:, min(depth, k - 1)].clamp_min(tiny).log()
+            log_p = log_p + log_rates[:, min(depth, k - 1)]
             current = log_p
         else:
             conf = confidence_signal(self.signal, next_token_probs, next_probs).float()
             if depth < k:
-                read = read.clone()
-                read[:, depth] = conf
-            p = conf
+                new_state[:, 3 + k + depth] = conf
             if self.calibration is not None:
-                edges, table = self.calibration
-                p = table[torch.bucketize(conf, edges)]
-            log_p = log_p + p.clamp_min(tiny).log()
+                log_p = log_p + self._log_table[torch.bucketize(conf, self.calibration[0])]
+            else:
+                log_p = log_p + conf.clamp_min(_TINY).log()
             current = log_p
-        next_rate = rates[:, min(depth + 1, k - 1)].clamp_min(tiny)
-        pays = (current + next_rate.log()) >= float(np.log(max(self.threshold, tiny)))
-        keep = keep.to(torch.bool) & pays & (depth + 1 < caps)
+        score = current + log_rates[:, min(depth + 1, k - 1)]
+        keep = keep.to(torch.bool) & (score >= self._log_threshold) & (caps > depth + 1)
         if self.pass_threshold > 0.0:
             # The rows that would go on must pay for the pass together (one device-side
             # sum: no host read beyond the keep mask the round reads anyway).
-            margin = (current + next_rate.log()).exp() - self.threshold
-            total = torch.where(keep, margin.clamp_min(0.0), torch.zeros_like(margin)).sum()
+            margin = score.exp() - self.threshold
+            total = torch.where(keep, margin.clamp_min(0.0), 0.0).sum()
             keep = keep & (total >= self.pass_threshold)
-        new_state = torch.cat([inner_state.to(torch.float32).view(-1, 1), log_p.view(-1, 1),
-                               caps.view(-1, 1), rates, read], dim=1)
+        new_state[:, 0] = inner_state
+        new_state[:, 1] = log_p
         return new_state, keep
