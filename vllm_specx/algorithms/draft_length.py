@@ -417,8 +417,7 @@ class AcceptanceHistory:
         self._accepted[idle_slots] *= self.decay
         self._backoff[slots[~zero]] = 0
         idle = np.where(zero, self._idle[slots] + 1, 0)
-        interval = self.probe_interval * (1 << self._backoff[slots])
-        probe = (idle >= interval) & np.broadcast_to(
+        probe = (idle >= self._intervals(slots)) & np.broadcast_to(
             np.asarray(may_probe, dtype=bool), idle.shape)
         out[probe] = 1
         self._probing[slots[probe]] = True
@@ -427,7 +426,9 @@ class AcceptanceHistory:
 
     def probe_intervals(self, req_ids: Sequence[str]) -> np.ndarray:
         """Each request's current probe interval, in idle steps (``[R]``)."""
-        slots = self._slots(req_ids)
+        return self._intervals(self._slots(req_ids))
+
+    def _intervals(self, slots: np.ndarray) -> np.ndarray:
         return self.probe_interval * (1 << self._backoff[slots])
 
     def forget_except(self, req_ids: Sequence[str]) -> None:

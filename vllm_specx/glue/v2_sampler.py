@@ -86,19 +86,17 @@ def _mtad_threshold(settings: dict[str, Any], rule: str) -> float:
 class _StepDrafts:
     """A step's drafts over V2's logits layout, as :meth:`SpecxV2RejectionSampler.verify_rows`
     lays them out for the rules: ``draft_rows`` are the logits rows that verify a draft
-    (every row of a request but its last), ``target_logits`` / ``target_argmax`` those
-    rows' float32 logits and argmax, ``drafts`` the draft each verifies (-1: a
-    placeholder), ``num_drafts`` / ``cu_drafts`` per request, and ``bonus_logits`` each
-    request's last row."""
+    (every row of a request but its last), ``last_rows`` each request's last row (its
+    bonus token), ``row_argmax`` every row's greedy token, ``drafts`` the draft each draft
+    row verifies (-1: a placeholder), ``num_drafts`` / ``cu_drafts`` per request."""
 
     draft_rows: torch.Tensor
-    target_logits: torch.Tensor
-    target_argmax: torch.Tensor
+    last_rows: torch.Tensor
+    row_argmax: torch.Tensor
     drafts: torch.Tensor
     num_drafts: list[int]
     cu_drafts: torch.Tensor
     max_spec_len: int
-    bonus_logits: torch.Tensor
 
 
 class SpecxV2RejectionSampler(RejectionSampler):
@@ -259,12 +257,12 @@ class SpecxV2RejectionSampler(RejectionSampler):
         is_draft_row[cu[1:] - 1] = False
         draft_rows = is_draft_row.nonzero().squeeze(1).to(device)
 
-        logits32 = processed.to(torch.float32)
-        target_logits = logits32[draft_rows]
         max_spec_len = max(num_drafts) if num_drafts else 0
         step = _StepDrafts(
-            draft_rows=draft_rows, target_logits=target_logits,
-            target_argmax=target_logits.argmax(dim=-1),
+            draft_rows=draft_rows, last_rows=last_rows,
+            # One argmax over the rows as they are (a float32 copy has the same argmax):
+            # an all-greedy step needs nothing else of the logits.
+            row_argmax=processed.argmax(dim=-1),
             # A placeholder (-1: no draft at that slot, e.g. a step starting inside the
             # prefill, or a draft the grammar forbids) goes to the rule as is: every rule
             # rejects an id outside the vocabulary, and the standard rule's residual for
@@ -272,23 +270,23 @@ class SpecxV2RejectionSampler(RejectionSampler):
             drafts=drafts_by_row.to(device)[draft_rows + 1].to(torch.int64),
             num_drafts=num_drafts,
             cu_drafts=torch.tensor(np.cumsum(num_drafts), dtype=torch.int64, device=device),
-            max_spec_len=max_spec_len, bonus_logits=logits32[last_rows])
+            max_spec_len=max_spec_len)
 
         sampling = self.sampler.sampling_states
         temperature = sampling.temperature.np[idx_mapping_np]
         sampled_reqs = np.flatnonzero(temperature != 0.0)
         if not sampled_reqs.size:
             # Every request greedy (either rule): the verdict reads only the greedy
-            # tokens, so no [T, V] softmax, no [B, V] rows, no random draws and no device
-            # value read back, as V1's specx sampler and vLLM's own do (same output:
-            # tests/algorithms/test_verify_rules.py).
-            out = verify_greedy(step.drafts, step.cu_drafts, step.target_argmax,
-                                step.bonus_logits.argmax(dim=-1), max_spec_len,
+            # tokens, so no float32 copy or [T, V] softmax of the logits, no random draws
+            # and no device value read back, as V1's specx sampler and vLLM's own do
+            # (same output: tests/algorithms/test_verify_rules.py).
+            out = verify_greedy(step.drafts, step.cu_drafts, step.row_argmax[draft_rows],
+                                step.row_argmax[last_rows], max_spec_len,
                                 uniform=all(n == max_spec_len for n in num_drafts))
         else:
-            out = self._verify_sampled(step, temperature, sampled_reqs, idx_mapping_np,
-                                       pos[starts.to(pos.device)], expanded_idx_mapping,
-                                       expanded_local_pos)
+            out = self._verify_sampled(step, processed, temperature, sampled_reqs,
+                                       idx_mapping_np, pos[starts.to(pos.device)],
+                                       expanded_idx_mapping, expanded_local_pos)
         # out: [num_reqs, max_drafts + 1], -1 padded
         sampled = torch.zeros(num_reqs, k_max + 1, dtype=torch.int64, device=device)
         width = min(out.shape[1], k_max + 1)
@@ -296,14 +294,17 @@ class SpecxV2RejectionSampler(RejectionSampler):
         num_sampled = (out[:, :width] >= 0).sum(dim=1).to(torch.int32)
         return sampled, num_sampled
 
-    def _verify_sampled(self, step: _StepDrafts, temperature: np.ndarray,
-                        sampled_reqs: np.ndarray, idx_mapping_np: np.ndarray,
-                        first_pos: torch.Tensor, expanded_idx_mapping: torch.Tensor,
+    def _verify_sampled(self, step: _StepDrafts, processed: torch.Tensor,
+                        temperature: np.ndarray, sampled_reqs: np.ndarray,
+                        idx_mapping_np: np.ndarray, first_pos: torch.Tensor,
+                        expanded_idx_mapping: torch.Tensor,
                         expanded_local_pos: torch.Tensor) -> torch.Tensor:
         """The method's rule over a step with sampled requests (``sampled_reqs``: their
-        rows): the backend's ``verify``, ``[num_reqs, max_spec_len + 1]``, -1 padded."""
-        target_logits, num_drafts = step.target_logits, step.num_drafts
-        bonus_logits, draft_rows = step.bonus_logits, step.draft_rows
+        rows), on the step's warped logits ``processed``: the backend's ``verify``,
+        ``[num_reqs, max_spec_len + 1]``, -1 padded."""
+        num_drafts, draft_rows = step.num_drafts, step.draft_rows
+        logits32 = processed.to(torch.float32)
+        target_logits, bonus_logits = logits32[draft_rows], logits32[step.last_rows]
         device = target_logits.device
         num_reqs, vocab_size = len(num_drafts), target_logits.shape[1]
         is_greedy = torch.from_numpy(temperature == 0.0).to(device)
@@ -327,7 +328,7 @@ class SpecxV2RejectionSampler(RejectionSampler):
 
         # The bonus (extra) token, drawn here from the last row's warped logits.
         bonus_sampled = (bonus_logits.softmax(dim=-1) / bonus_noise).argmax(dim=-1)
-        bonus_tokens = torch.where(is_greedy, bonus_logits.argmax(dim=-1), bonus_sampled)
+        bonus_tokens = torch.where(is_greedy, step.row_argmax[step.last_rows], bonus_sampled)
         vocab_ids = torch.arange(vocab_size, device=device)
         bonus_probs = (vocab_ids[None, :] == bonus_tokens[:, None]).to(torch.float32)
 
@@ -344,7 +345,7 @@ class SpecxV2RejectionSampler(RejectionSampler):
             uniforms=uniforms,
             exp_noise=exp_noise,
             max_spec_len=step.max_spec_len,
-            target_argmax=step.target_argmax,
+            target_argmax=step.row_argmax[draft_rows],
             draft_probs=full_q,
             draft_token_probs=token_q,
             acceptance_threshold=self.acceptance_threshold,
