@@ -10,7 +10,7 @@
 #   bench_b8  as bench_b1 at batch 8
 #   parity_dm benchmarks/round_parity.py -k 3: draft_model against adaptive and mtad (B = 1) at equal
 #             drafts
-# Stages on request (STAGES="plain_b1 graphs_b1 graphs_b8 inter_b1 inter_b8", say), each
+# Stages on request (STAGES="varlen_b1 plain_b1 graphs_b1 graphs_b8 inter_b1 inter_b8", say), each
 # benchmarks/interleaved_speedup.py with every row's engine alive and the timed runs interleaved:
 #   graphs_b1 batch 1 in vLLM's default mode (CUDA graphs, compiled: what `vllm serve` runs): vLLM's eagle3
 #             K=3, specx_eagle3 "adaptive" (cost control on) and K=3, adaptive; a row that fails to start
@@ -19,6 +19,9 @@
 #   plain_b1  graphs_b1 with VLLM_SPECX_V2_PLAIN_STEP_GRAPHS=1 (FULL graphs for the ragged methods'
 #             plain steps; opt-in until a GPU run shows it lossless): eagle3 K=3, specx_eagle3
 #             "adaptive", adaptive
+#   varlen_b1 graphs_b1 with VLLM_SPECX_V2_VARLEN_GRAPHS=1 (vLLM's varlen decode graphs for the ragged
+#             methods' every decode step, plain or drafting; opt-in until a GPU run shows it lossless):
+#             eagle3 K=3, specx_eagle3 "adaptive", adaptive
 #   inter_b1  batch 1, eager: no speculation with synchronous scheduling, eagle3 K=3, specx_eagle3
 #             "adaptive", adaptive (cost control on)
 #   inter_b8  batch 8 (8 prompts), eager: eagle3 K=3, specx_eagle3 "adaptive", adaptive
@@ -113,6 +116,11 @@ run_stage() {
     # (VLLM_SPECX_V2_PLAIN_STEP_GRAPHS=1, glue/v2_patches.add_plain_step_graphs)
     plain_b1) stage plain_b1 150 env VLLM_SPECX_V2_PLAIN_STEP_GRAPHS=1 "${INTER[@]}" --batch 1 \
       --prompts 4 --repeats 3 --engine-args "$I_GRAPHS" -o "$OUT/plain_b1.json" \
+      --config "$E3_K3" --config "$E3_ON" --config "$AD_ON" ;;
+    # graphs_b1 with the opt-in varlen decode graphs (VLLM_SPECX_V2_VARLEN_GRAPHS=1,
+    # glue/v2_patches.use_varlen_decode_graphs)
+    varlen_b1) stage varlen_b1 150 env VLLM_SPECX_V2_VARLEN_GRAPHS=1 "${INTER[@]}" --batch 1 \
+      --prompts 4 --repeats 3 --engine-args "$I_GRAPHS" -o "$OUT/varlen_b1.json" \
       --config "$E3_K3" --config "$E3_ON" --config "$AD_ON" ;;
     inter_b1) stage inter_b1 150 "${INTER[@]}" --batch 1 --prompts 4 --repeats 3 \
       --engine-args "$I_EAGER" -o "$OUT/inter_b1.json" \

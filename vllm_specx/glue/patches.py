@@ -224,7 +224,7 @@ def ragged_graphs_warning(method: str, settings: dict[str, Any], backend: str, o
             "miss the FULL decode graph, and on an NVIDIA H200 this ran at 0.18-0.19x of no "
             "speculation at batch 1 (docs/benchmarks/gpu.md). On a GPU vLLM's own 'eagle3' "
             "or 'draft_model', or this method at a fixed K where it has one, are faster "
-            "today; VLLM_SPECX_V2_PLAIN_STEP_GRAPHS=1 gives its plain steps FULL graphs "
+            "today; VLLM_SPECX_V2_VARLEN_GRAPHS=1 gives all its decode steps FULL graphs "
             "(experimental: not yet run on a GPU).")
 
 

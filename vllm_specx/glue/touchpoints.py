@@ -36,6 +36,8 @@ Patches (name -- scope -- what in vLLM changes):
   imports it)
 * v2_plain_step_graphs -- always -- Model Runner V2's ``ModelCudaGraphManager.__init__`` (when
   vLLM imports it)
+* v2_varlen_decode_graphs -- always -- Model Runner V2's ``GPUModelRunner.initialize_kv_cache``
+  (when vLLM imports it)
 * v2_tree_step_inputs -- always -- Model Runner V2's ``GPUModelRunner.prepare_attn`` (when
   vLLM imports it)
 * v2_tree_step_forward -- always -- Model Runner V2's ``GPUModelRunner.execute_model`` (when

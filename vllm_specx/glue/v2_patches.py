@@ -40,8 +40,8 @@ from vllm_specx.methods import METHODS, draft_model_tree, drafts_ragged, tree_on
 logger = logging.getLogger("vllm.specx")
 
 __all__ = ["V2_PATCHES", "V2PlainStepGraphs", "V2RaggedDraftLengths", "V2SpecxSampler",
-           "V2SpecxSpeculator", "add_plain_step_graphs",
-           "install_v2_speculator"]
+           "V2SpecxSpeculator", "V2VarlenDecodeGraphs", "add_plain_step_graphs",
+           "install_v2_speculator", "use_varlen_decode_graphs", "varlen_decode_refusal"]
 
 
 def install_v2_speculator(runner: Any, settings: dict[str, Any]) -> None:
@@ -260,5 +260,116 @@ class V2PlainStepGraphs(VllmPatch):
         return __init__
 
 
+# Opt-in until a GPU run has shown the varlen decode graphs lossless and faster
+# (docs/model-runners.md "CUDA graphs on V2"); read once per engine, when V2 sets up
+# its KV cache and graph manager.
+VARLEN_GRAPHS_ENV = "VLLM_SPECX_V2_VARLEN_GRAPHS"
+
+
+def varlen_decode_refusal(runner: Any) -> str | None:
+    """Why this V2 runner's decode steps cannot replay varlen decode graphs (None: they
+    can), checked as vLLM checks it for its own adaptive verification
+    (``maybe_create_adaptive_verification_manager``): the graph mode has FULL decode
+    graphs of their own (``decode_mode() == FULL`` and a separate decode routine, so a
+    prefill never replays them), and every attention backend of the target's layers
+    replays FULL graphs of decode batches with 1 to ``decode_query_len`` tokens per
+    request (``get_varlen_cudagraph_unsupported_backend``; FlashAttention 3 and
+    Triton attention do, whatever the lengths). Not with DBO micro-batching or
+    ``kv_sharing_fast_prefill`` (both hold the graph manager vLLM built)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.gpu.attn_utils import get_varlen_cudagraph_unsupported_backend
+
+    manager = getattr(runner, "cudagraph_manager", None)
+    mode = getattr(manager, "cudagraph_mode", None)
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return "no CUDA graphs (enforce_eager, or a platform without them)"
+    if manager.varlen_decode:
+        return "vLLM already plans varlen decode graphs (its adaptive verification)"
+    if mode.decode_mode() != CUDAGraphMode.FULL or not mode.separate_routine():
+        return (f"cudagraph_mode {mode.name} has no FULL decode graphs of their own "
+                "(FULL_AND_PIECEWISE or FULL_DECODE_ONLY has)")
+    if manager.ubatch_runner is not None:
+        return "DBO micro-batching captures uniform decode graphs only"
+    if getattr(runner, "fast_prefill", None) is not None:
+        return "kv_sharing_fast_prefill keeps vLLM's graph manager"
+    draft_layers = getattr(runner.speculator, "draft_attn_layer_names", None) or set()
+    target_layers = {name for group in runner.kv_cache_config.kv_cache_groups
+                     for name in group.layer_names} - set(draft_layers)
+    unsupported = get_varlen_cudagraph_unsupported_backend(
+        runner.attn_groups, runner.vllm_config, manager.decode_query_len,
+        checked_layer_names=target_layers)
+    if unsupported is None:
+        support, backend = runner.model_state.get_additional_cg_support()
+        if support != AttentionCGSupport.ALWAYS:
+            unsupported = backend, None
+    if unsupported is not None:
+        backend, bound = unsupported
+        can = ("cannot replay FULL graphs of decode batches whose query lengths vary"
+               if bound is None else f"replays varlen decode graphs of at most {bound} "
+               "tokens a request")
+        return (f"the {backend} attention backend {can}, and these steps have up to "
+                f"{manager.decode_query_len}")
+    return None
+
+
+def use_varlen_decode_graphs(runner: Any) -> bool:
+    """Rebuild a V2 runner's graph manager with varlen decode graphs, as vLLM builds it
+    for its own adaptive verification (``ModelCudaGraphManager(varlen_decode=True)``):
+    FULL decode graphs that replay any decode batch of 1 to ``decode_query_len`` (1 + K)
+    tokens per request, in place of the graphs of exactly 1 + K. A ragged specx method's
+    steps (a draft of 0..K tokens per request, a plain step where nobody drafts) then
+    replay FULL graphs instead of the PIECEWISE ones. Called before anything is captured
+    (right after ``initialize_kv_cache``); the runner's ``execute_model`` already hands
+    ``dispatch`` each decode batch's largest query length (a batch with a prefill gets
+    none, and replays PIECEWISE graphs). Returns whether it did; logs why not."""
+    from vllm_specx.envflags import env_flag
+
+    if not env_flag(VARLEN_GRAPHS_ENV):
+        return False
+    settings = specx_settings(runner.vllm_config)
+    if not settings or not drafts_ragged(settings, on_v2=True) or tree_on(settings):
+        return False  # a fixed K is vLLM's own uniform graph; trees run eager
+    reason = varlen_decode_refusal(runner)
+    if reason is not None:
+        logger.warning("vllm-specx: %s=1 is not used: %s", VARLEN_GRAPHS_ENV, reason)
+        return False
+    old = runner.cudagraph_manager
+    runner.cudagraph_manager = type(old)(
+        runner.vllm_config, runner.device, old.cudagraph_mode,
+        decode_query_len=old.decode_query_len, lora_capture_cases=old.lora_capture_cases,
+        varlen_decode=True, ubatch_runner=old.ubatch_runner)
+    logger.info("vllm-specx: %s on Model Runner V2 captures varlen decode graphs (1 to %d "
+                "tokens a request, %s=1, not yet run on a GPU)", settings["method"],
+                old.decode_query_len, VARLEN_GRAPHS_ENV)
+    return True
+
+
+class V2VarlenDecodeGraphs(VllmPatch):
+    name = "v2_varlen_decode_graphs"
+    target = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.initialize_kv_cache"
+    replaces = (
+        "Model Runner V2's GPUModelRunner.initialize_kv_cache, which builds the graph "
+        "manager with varlen decode graphs only for vLLM's own adaptive verification"
+    )
+    why = (
+        "a ragged specx method's decode steps (0..K drafts per request) miss V2's FULL "
+        "decode graph of exactly 1 + K tokens a request (measured: 0.18-0.19x of no "
+        "speculation on an H200); with VLLM_SPECX_V2_VARLEN_GRAPHS=1 the manager is "
+        "rebuilt with varlen_decode=True where the attention backends allow it "
+        "(use_varlen_decode_graphs). Opt-in: not yet run on a GPU"
+    )
+    lazy = True
+
+    def wrap(self, original: Any) -> Any:
+        def initialize_kv_cache(self_: Any, *args: Any, **kw: Any) -> Any:
+            result = original(self_, *args, **kw)
+            use_varlen_decode_graphs(self_)
+            return result
+
+        return initialize_kv_cache
+
+
 V2_PATCHES: tuple[VllmPatch, ...] = (V2SpecxSpeculator(), V2RaggedDraftLengths(),
-                                     V2SpecxSampler(), V2PlainStepGraphs())
+                                     V2SpecxSampler(), V2PlainStepGraphs(),
+                                     V2VarlenDecodeGraphs())
