@@ -357,6 +357,23 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                   "the graphs to capture by mode, and each token count's candidates in "
                   "dispatch order: the 1-token FULL decode graphs join them")
       for name in ("_capture_descs", "_candidates")),
+    # --- varlen decode graphs on Model Runner V2 (opt-in) --------------------------------
+    *(PrivateName("vllm.v1.worker.gpu.model_runner:GPUModelRunner", name,
+                  "instance attribute", ("vllm_specx/glue/v2_patches.py",),
+                  "what initialize_kv_cache built: the graph manager rebuilt with varlen "
+                  "decode graphs, and what vLLM's own varlen check reads (the attention "
+                  "groups of the target's layers, its extra groups' support, fast prefill)")
+      for name in ("cudagraph_manager", "kv_cache_config", "model_state", "fast_prefill")),
+    # Assigned by tuple unpacking (``self.attn_groups, ... = init_attn_backend(...)``).
+    PrivateName("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "attn_groups",
+                "source", ("vllm_specx/glue/v2_patches.py",),
+                "the attention groups vLLM's varlen check reads"),
+    *(PrivateName("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager", name,
+                  "instance attribute", ("vllm_specx/glue/v2_patches.py",),
+                  "the arguments vLLM built its graph manager with, passed again when it "
+                  "is rebuilt with varlen_decode=True")
+      for name in ("cudagraph_mode", "decode_query_len", "lora_capture_cases",
+                   "varlen_decode", "ubatch_runner")),
     # --- the specx sampler --------------------------------------------------------------
     PrivateName("vllm.v1.sample.rejection_sampler:RejectionSampler", "_get_logprobs_tensors",
                 "attribute", ("vllm_specx/glue/sampler.py",),
