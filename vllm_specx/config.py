@@ -228,11 +228,6 @@ def translate(
             continue
         settings[knob.name] = value
 
-    if (settings.get("draft_tree") not in (None, False) and "cost_control" in settings
-            and "cost_control" not in config):
-        # Draft trees are pruned by cost (glue/tree_cost.py) only when asked for: off by
-        # default (docs/trees.md, "Tree size from costs").
-        settings["cost_control"] = False
     context = CheckContext(spec=spec, settings=settings, model=model, limits=limits,
                            device=device)
     for check in spec.checks:

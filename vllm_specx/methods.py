@@ -282,8 +282,9 @@ COST_CONTROL = Knob(
     "cost_control", "bool", True, "true or false",
     "choose every step's draft lengths from the engine's own measured step costs and each "
     "request's acceptance so far (0 where drafting would not pay); false: the stop rule "
-    "alone decides. With a dynamic draft_tree it is off unless given: true keeps per "
-    "request only the tree nodes that pay at those costs, down to none (a plain step)",
+    "alone decides. With a dynamic draft_tree it keeps per request only the tree nodes "
+    "that pay at those costs, down to none (a plain step); false verifies every drafted "
+    "tree whole",
 )
 # mtad's depth control (issue 32): every request's own depth 0..K per step
 # (``CostControl.plan_depths``); off by default until the bench says it does not hurt

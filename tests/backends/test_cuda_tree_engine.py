@@ -148,9 +148,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "prompts": _prompts(target),
         "configs": {
             "adaptive": {"method": "adaptive", "model": draft, "num_speculative_tokens": 4,
-                         "draft_tree": DRAFT_TREE},
+                         "draft_tree": DRAFT_TREE, "cost_control": False},
             "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": 4,
-                       "draft_tree": HEAD_TREE},
+                       "draft_tree": HEAD_TREE, "cost_control": False},
         },
     }
 

@@ -41,19 +41,22 @@ def test_twins_only_where_cost_control_applies():
         ("mtad", {"method": "mtad"}),  # its depth control is off unless given
         ("mtad cc", {"method": "mtad", "cost_control": True}),
         ("draft_model", {"method": "draft_model"}),
-        # Trees: only with cost_control given, and never a static paths tree.
+        # Dynamic trees: pruned unless cost_control is false; a static paths tree never.
         ("eagle3 tree", {"method": "specx_eagle3", "draft_tree": True}),
         ("eagle3 tree cc", {"method": "specx_eagle3", "draft_tree": True, "cost_control": True}),
+        ("eagle3 tree whole", {"method": "specx_eagle3", "draft_tree": True,
+                               "cost_control": False}),
         ("eagle3 paths cc", {"method": "specx_eagle3", "draft_tree": {"paths": [[0]]},
                              "cost_control": True}),
     ]
     out = with_control_twins(named)
     twins = [(n, c) for n, c in out if n.endswith(OFF_SUFFIX)]
-    assert [n for n, _ in twins] == ["adaptive" + OFF_SUFFIX, "eagle3 adaptive" + OFF_SUFFIX,
-                                     "mtad cc" + OFF_SUFFIX, "eagle3 tree cc" + OFF_SUFFIX]
+    assert [n for n, _ in twins] == [
+        "adaptive" + OFF_SUFFIX, "adaptive tree" + OFF_SUFFIX, "eagle3 adaptive" + OFF_SUFFIX,
+        "mtad cc" + OFF_SUFFIX, "eagle3 tree" + OFF_SUFFIX, "eagle3 tree cc" + OFF_SUFFIX]
     assert all(c["cost_control"] is False for _, c in twins)
     assert not any(cost_control_applies(c) for _, c in twins)
-    assert len(out) == len(named) + 4
+    assert len(out) == len(named) + 6
 
 
 def test_prompts_fill_the_batch():

@@ -188,7 +188,9 @@ def runs(target: str, eagle3_head: str,
 
     # Draft trees over the head (the knob-only rule: vLLM's eagle3 + draft_tree). One
     # engine: a dynamic EAGLE-2 tree, then a static paths tree on the same drafter.
-    tree_spec = {**vllm_spec, "draft_tree": DYNAMIC_TREE}
+    # cost_control false: tree sizes are asserted (they must not follow timings); the
+    # control's pruning is switched on below with a fixed cost model.
+    tree_spec = {**vllm_spec, "draft_tree": DYNAMIC_TREE, "cost_control": False}
     with running_llm(target, speculative_config=tree_spec, **ENGINE_KW) as llm:
         config = llm.llm_engine.vllm_config
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner

@@ -532,8 +532,9 @@ def test_a_new_method_is_one_spec_entry(monkeypatch):
     {"method": "specx_eagle3", "model": "d", "draft_tree": {"max_nodes": 8}},
     {"method": "adaptive", "model": "d", "draft_tree": True},
 ])
-def test_tree_cost_control_is_off_unless_given(config):
-    """Draft trees are pruned by cost (glue/tree_cost.py) only with cost_control given;
-    on an EAGLE head it applies with a draft_tree as with adaptive."""
-    assert run(config).specx_settings["cost_control"] is False
-    assert run({**config, "cost_control": True}).specx_settings["cost_control"] is True
+def test_tree_cost_control_is_on_unless_turned_off(config):
+    """Draft trees are pruned by cost (glue/tree_cost.py) by default, as chains are
+    planned (issue 32); cost_control false verifies every drafted tree whole. On an
+    EAGLE head it applies with a draft_tree as with adaptive."""
+    assert run(config).specx_settings["cost_control"] is True
+    assert run({**config, "cost_control": False}).specx_settings["cost_control"] is False

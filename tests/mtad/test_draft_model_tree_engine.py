@@ -18,7 +18,10 @@ TREE = {"max_nodes": 8, "max_depth": 3, "branching": 3}
 def engine(pair):  # noqa: F811
     target_dir = pair[0]
     eng = TreeEngine(target_dir, {"method": "adaptive", "model": target_dir,
-                                  "num_speculative_tokens": 4, "draft_tree": TREE})
+                                  "num_speculative_tokens": 4, "draft_tree": TREE,
+                                  # whole trees (sizes must not follow timings); the
+                                  # pruning test turns the control on, fixed costs
+                                  "cost_control": False})
     yield eng
     eng.close()
 
@@ -69,7 +72,7 @@ def test_cost_control_prunes_trees_and_equals_no_speculation(pair, engine):  # n
 
     _, target = pair
     drafter = engine.runner.drafter
-    assert drafter.settings["cost_control"] is False  # trees: off unless asked for
+    assert drafter.settings["cost_control"] is False  # this engine's, turned off
     drafter.settings = {**drafter.settings, "cost_control": True}
     try:
         control = tree_cost_control_for(drafter)

@@ -135,15 +135,15 @@ def test_mtp_with_draft_tree_is_specx_mtp_scheduled_as_its_node_budget(method):
     would read 1 from the MTP config) vLLM's num_speculative_tokens is the tree's budget."""
     dynamic = _translate({"method": method, "draft_tree": True})
     assert dynamic.specx_settings["method"] == "specx_mtp"
-    assert dynamic.specx_settings["cost_control"] is False  # trees: off unless given
+    assert dynamic.specx_settings["cost_control"] is True  # trees are pruned by default
     assert dynamic.vllm_speculative_config == {"method": "mtp", "num_speculative_tokens": 17}
     small = _translate({"method": method, "num_speculative_tokens": 2,
                         "draft_tree": {"max_nodes": 8, "max_depth": 4, "branching": 2}})
     assert small.vllm_speculative_config["num_speculative_tokens"] == 8
     static = _translate({"method": method, "draft_tree": {"paths": [[0], [1], [0, 0]]}})
     assert static.vllm_speculative_config["num_speculative_tokens"] == 3
-    pruned = _translate({"method": method, "draft_tree": True, "cost_control": True})
-    assert pruned.specx_settings["cost_control"] is True
+    whole = _translate({"method": method, "draft_tree": True, "cost_control": False})
+    assert whole.specx_settings["cost_control"] is False
 
 
 @pytest.mark.parametrize("config, message", [

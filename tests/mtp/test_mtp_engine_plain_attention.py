@@ -128,7 +128,9 @@ def tree_runs(runs: dict[str, Any]) -> dict[str, Any]:
     prompts = runs["prompts"]
     out: dict[str, Any] = {}
     # vLLM's own method name + the knob: read as specx_mtp; no K given (the MTP config's 1).
-    spec = {"method": "mtp", "draft_tree": TREE}
+    # cost_control false: whole trees (counted below); pruning is switched on later
+    # with a fixed cost model.
+    spec = {"method": "mtp", "draft_tree": TREE, "cost_control": False}
     with running_llm(target, speculative_config=spec, **ENGINE_KW) as llm:
         config = llm.llm_engine.vllm_config
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner

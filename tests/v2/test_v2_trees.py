@@ -33,8 +33,11 @@ pytestmark = pytest.mark.engine
 # greedy_drafting "beam": greedy requests draft the beams (a tree), not the argmax chain.
 MTAD_TREE = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2,
              "draft_tree": True, "greedy_drafting": "beam"}
+# cost_control false: V1 and V2 must verify the same trees (pruning follows each
+# engine's own timings).
 ADAPTIVE_TREE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 4,
-                 "draft_tree": {"max_nodes": 8, "max_depth": 3, "branching": 3}}
+                 "draft_tree": {"max_nodes": 8, "max_depth": 3, "branching": 3},
+                 "cost_control": False}
 
 SAMPLED = {**GREEDY, "temperature": 1.0, "seed": 11}
 
@@ -253,8 +256,8 @@ HEAD_ENDS = (2, 3, 5, 7)
 
 def run_head_trees(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """Runs in the V2 host (or here, on a V1 engine): dynamic-tree greedy runs (full
-    length, and requests ending
-    inside a tree), then the static tree with each round's argmax chain beside it."""
+    length, and requests ending inside a tree), the dynamic tree pruned by cost control
+    (a fixed cost model), then the static tree with each round's argmax chain beside it."""
     from dataclasses import asdict
 
     from vllm_specx.glue.eagle_tree_proposer import EagleTreeRound
@@ -266,7 +269,21 @@ def run_head_trees(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     out["ends"] = generate_token_ids(llm, prompts,
                                      [{**GREEDY, "max_tokens": n} for n in HEAD_ENDS])
     out["dynamic_stats"] = asdict(runner.specx_tree_state.stats)
-    spec.settings = {**spec.settings, "draft_tree": {"paths": HEAD_STATIC}}
+    # Cost control over the same dynamic tree (on by default; this engine turned it off),
+    # with a fixed cost model under which a node pays only where its path's value beats
+    # ~0.3 of the step's rate: trees are cut per request, some to nothing.
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+
+    spec.settings = {**spec.settings, "cost_control": True}
+    control = tree_cost_control_for(spec)
+    assert control is not None
+    control.fixed_costs = StepCosts(target_base=0.0, target_per_request=1.0,
+                                    target_per_token=0.3, draft_pass=0.0, draft_row=0.0)
+    out["pruned"] = generate_token_ids(llm, prompts, GREEDY)
+    out["pruned_control"] = control.describe()
+    spec.settings = {**spec.settings, "cost_control": False,
+                     "draft_tree": {"paths": HEAD_STATIC}}
     tree_round = spec.draft_round
     pairs: list[tuple[list[int], list[int]]] = []
 
@@ -294,7 +311,7 @@ def head_tree_run(v2_engine, v2_host, tmp_path_factory) -> dict[str, Any]:
     head = build_eagle3_head(str(tmp_path_factory.mktemp("v2_eagle3_tree_head")))
     description = v2_engine("eagle3-tree", TARGET, speculative_config={
         "method": "specx_eagle3", "model": head, "num_speculative_tokens": 8,
-        "draft_tree": HEAD_DYNAMIC})
+        "draft_tree": HEAD_DYNAMIC, "cost_control": False})
     assert description["speculator"].endswith("EagleChainV2Speculator"), description
     try:
         return v2_host.call("eagle3-tree", f"{__name__}:run_head_trees", heldout_prompts())
@@ -324,6 +341,20 @@ def test_eagle3_head_trees_equal_no_speculation_on_v2(head_tree_run, v2_heldout_
         assert [tree[0], tree[2], tree[4], tree[6]] == chain[:4]
         assert tree[0] != tree[1]
     assert run["stats"]["tree_requests"] > dynamic["tree_requests"]
+
+
+def test_eagle3_head_tree_cost_control_prunes_on_v2(head_tree_run, v2_heldout_reference):
+    """specx_eagle3 dynamic tree with cost control (its default) on V2, a fixed cost model:
+    each request's tree is cut to the nodes that pay, some to nothing and some kept as a
+    tree, as on V1 (tests/eagle/test_eagle3_engine.py); greedy output equals no
+    speculation."""
+    assert head_tree_run["pruned"] == v2_heldout_reference
+    control = head_tree_run["pruned_control"]
+    assert control["rounds"] > 0, control
+    sizes = {int(k): v for k, v in control["kept_histogram"].items()}
+    assert sizes.get(0, 0) > 0, sizes  # pruned to nothing
+    assert any(n >= 2 and c > 0 for n, c in sizes.items()), sizes  # and kept as a tree
+    assert 0 < control["kept_nodes"] < control["drafted_nodes"]
 
 
 # specx_mtp trees on V2 (glue/v2_eagle.py's MtpChainV2Speculator: the same head-tree round
@@ -378,7 +409,7 @@ def mtp_tree_runs(v2_engine, v2_host) -> dict[str, Any]:
     from vllm_specx.testing.v2_engine import generate_token_ids
 
     prompts = _mtp_prompts()
-    spec = {"method": "specx_mtp", "draft_tree": MTP_TREE}
+    spec = {"method": "specx_mtp", "draft_tree": MTP_TREE, "cost_control": False}
     kwargs = {**ENGINE_KWARGS, **MTP_TREE_KW}
     out: dict[str, Any] = {}
     old = set_environ(None, MLA_OFF)  # this process: the V1 engines
@@ -418,6 +449,12 @@ def test_mtp_trees_equal_no_speculation_and_v1_on_v2(mtp_tree_runs):
     for n, got, want in zip(HEAD_ENDS, v2["ends"], reference):
         assert got == want[:n]
     assert v2["static"] == reference
+    # Pruned by cost control (a fixed cost model): still no speculation's output, and
+    # pruned on both runners (V2 may plan one more round than V1: a request's last step).
+    assert v2["pruned"] == reference and v1["pruned"] == reference
+    for control in (v1["pruned_control"], v2["pruned_control"]):
+        assert 0 < control["kept_nodes"] < control["drafted_nodes"], control
+        assert control["kept_histogram"].get("0", 0) > 0, control
     dynamic = v2["dynamic_stats"]
     assert dynamic["tree_requests"] > 0 and dynamic["chain_fallback_steps"] == 0, dynamic
     assert dynamic["tree_nodes"] > 4 * dynamic["tree_requests"], dynamic

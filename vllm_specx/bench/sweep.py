@@ -53,10 +53,9 @@ def cost_control_applies(cfg: dict[str, Any]) -> bool:
     if method in _CONTROLLED_WHEN_GIVEN:
         return cfg.get("cost_control") is True and not cfg.get("draft_tree")
     if cfg.get("draft_tree") and method in (*_CONTROLLED, *_CONTROLLED_WHEN_ADAPTIVE):
-        # A dynamic tree is pruned by cost only when asked for (off by default).
+        # A dynamic tree is pruned by cost (on by default); a static paths tree never is.
         tree = cfg["draft_tree"]
-        return cfg.get("cost_control") is True and not (
-            isinstance(tree, dict) and "paths" in tree)
+        return not (isinstance(tree, dict) and "paths" in tree)
     if method in _CONTROLLED:
         return not cfg.get("draft_tree")
     if method in _CONTROLLED_WHEN_ADAPTIVE:
