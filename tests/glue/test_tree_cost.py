@@ -62,3 +62,19 @@ def test_depth_follows_what_deeper_depths_were_worth():
     assert depths.count(1) >= 2 * PROBE_EVERY - 2 and 3 in depths  # with full-depth probes
     control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)  # free passes: full depth
     assert control.choose_depth(1, 3) == 3
+
+
+def test_bench_report_prints_what_the_tree_control_kept():
+    from vllm_specx.bench.report import markdown_table
+
+    control = TreeCostControl(clock=lambda: 0.0)
+    control.stats.rounds, control.stats.all_zero_rounds = 12, 5
+    control.stats.drafted_nodes, control.stats.kept_nodes = 96, 17
+    control.stats.kept_histogram.update({0: 5, 1: 4, 3: 3})
+    report = {"configs": [{"name": "eagle3 tree", "method": "specx_eagle3",
+                           "drafter_stats": {"tree_cost_control": control.describe()}}]}
+    line = next(x for x in markdown_table(report).splitlines()
+                if x.startswith("- tree cost control of eagle3 tree"))
+    assert "kept 17 of 96 drafted nodes over 12 rounds (5 keeping none" in line
+    assert "{'0': 5, '1': 4, '3': 3}" in line and "acceptance scale" in line
+    assert "(prior, 0 steps)" in line  # nothing measured yet: the prior's model

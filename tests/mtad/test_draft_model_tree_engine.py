@@ -92,6 +92,8 @@ def test_cost_control_prunes_trees_and_equals_no_speculation(pair, engine):  # n
     assert control.stats.rounds > 0 and 0 < control.stats.kept_nodes < control.stats.drafted_nodes
     assert len(sizes) >= 2, sizes  # sizes varied between requests and steps
     assert stats["tree_nodes"] >= control.stats.kept_nodes
+    # The drafter reports its tree control (vllm-specx bench prints it).
+    assert stats["tree_cost_control"]["kept_nodes"] == control.stats.kept_nodes
 
 
 N_STAT = 400  # seeded 3-token samples, top-k 3 at T = 1: 27 outcomes

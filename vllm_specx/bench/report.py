@@ -199,6 +199,10 @@ def markdown_table(report: dict[str, Any]) -> str:
         control = (cfg.get("drafter_stats") or {}).get("cost_control")
         if control:
             notes.append(f"- cost control of {cfg.get('name')}: {cost_control_line(control)}")
+        tree = (cfg.get("drafter_stats") or {}).get("tree_cost_control")
+        if tree:
+            notes.append(f"- tree cost control of {cfg.get('name')}: "
+                         f"{tree_cost_control_line(tree)}")
     if plat.get("device_type") == "cpu":
         notes.append(
             "- wall-clock numbers on the CPU reference backend move with the machine's load; "
@@ -211,7 +215,35 @@ def markdown_table(report: dict[str, Any]) -> str:
 def cost_control_line(control: dict[str, Any]) -> str:
     """The cost model a drafter's cost control used (``glue/cost_model.py``'s
     ``describe()``) and what it decided, in one line."""
-    model = control.get("model")
+    return (
+        f"{_cost_model_text(control.get('model'))}; {control.get('steps')} steps planned, "
+        f"{control.get('all_zero_steps')} "
+        f"drafting nothing, {control.get('partial_zero_steps')} drafting for some requests "
+        f"only"
+        + (f", {control['probes']} probes (one token for a request idle for its probe "
+           "interval)" if control.get("probes") else "")
+        + f"; pooled acceptance per position {control.get('pooled_acceptance')}"
+        + (f"; request-rounds per depth {control['depth_histogram']}"
+           if control.get("depth_histogram") else "")
+        + _retired_text(control.get("idle_first_pass"))
+        + _calibration_text(control.get("confidence_calibration"))
+    )
+
+
+def tree_cost_control_line(control: dict[str, Any]) -> str:
+    """What a drafter's tree cost control (``glue/tree_cost.py``'s ``describe()``) kept of
+    the drafted trees, and the cost model it priced them with, in one line."""
+    return (
+        f"kept {control.get('kept_nodes')} of {control.get('drafted_nodes')} drafted nodes "
+        f"over {control.get('rounds')} rounds ({control.get('all_zero_rounds')} keeping none: "
+        f"plain steps; {control.get('unpruned_rounds')} not pruned), nodes kept per "
+        f"request-round {control.get('kept_histogram')}, acceptance scale "
+        f"{control.get('acceptance_scale')}; {_cost_model_text(control.get('model'))}"
+    )
+
+
+def _cost_model_text(model: Any) -> str:
+    """A cost model's ``describe()`` (``MeasuredCosts``), or a fixed model's text."""
     if isinstance(model, dict):
         t, r = model.get("target_ms") or {}, model.get("round_ms") or {}
         text = (
@@ -233,18 +265,7 @@ def cost_control_line(control: dict[str, Any]) -> str:
         )
     else:
         text = str(model)
-    return (
-        f"{text}; {control.get('steps')} steps planned, {control.get('all_zero_steps')} "
-        f"drafting nothing, {control.get('partial_zero_steps')} drafting for some requests "
-        f"only"
-        + (f", {control['probes']} probes (one token for a request idle for its probe "
-           "interval)" if control.get("probes") else "")
-        + f"; pooled acceptance per position {control.get('pooled_acceptance')}"
-        + (f"; request-rounds per depth {control['depth_histogram']}"
-           if control.get("depth_histogram") else "")
-        + _retired_text(control.get("idle_first_pass"))
-        + _calibration_text(control.get("confidence_calibration"))
-    )
+    return text
 
 
 def _retired_text(idle: Any) -> str:

@@ -526,6 +526,14 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
     on by default; ``glue/sampled_tree_round.py``), verified by the ``"sampled"`` rule with
     the q rows the draws came from."""
 
+    def specx_stats(self) -> dict[str, Any]:
+        """The round's stats, and the tree cost control's model and prunings when it ran
+        (``vllm-specx bench`` prints them), as the EAGLE head trees report."""
+        stats = super().specx_stats()
+        if self._tree_cost is not None:
+            stats["tree_cost_control"] = self._tree_cost.describe()
+        return stats
+
     # The tree cost control while a top-k round runs (read by _tree_round), else None.
     _round_tree_cost: Any = None
     # The proposer's tree cost control (glue/tree_cost.tree_cost_control_for), made once.
