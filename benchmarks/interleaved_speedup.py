@@ -228,7 +228,7 @@ def main() -> int:
                                     if args.temperature == 0 else None),
         })
     from vllm_specx.bench.engine_run import read_drafter_stats
-    from vllm_specx.bench.report import cost_control_line
+    from vllm_specx.bench.report import cost_control_line, tree_cost_control_line
 
     for row, (_, llm, _) in zip(result, engines):
         stats, _ = read_drafter_stats(llm)
@@ -238,6 +238,9 @@ def main() -> int:
             # The drafter's work that skipped steps saved or left (first passes skipped,
             # catch-ups, retirements): counts, not times, so no host noise in them.
             row["idle_first_pass"] = control.get("idle_first_pass")
+        tree = (stats or {}).get("tree_cost_control")
+        if tree:  # a dynamic draft tree pruned by cost (what it kept, its model)
+            row["tree_cost_control"] = tree_cost_control_line(tree)
     for _, llm, _ in engines:
         shutdown_llm(llm)
     report = {"pair": args.pair, "dtype": overrides.get("dtype", default_dtype()),
@@ -259,6 +262,8 @@ def main() -> int:
               f"same {r['same_output_as_none']}", file=sys.stderr)
         if r.get("cost_control"):
             print(f"    cost control: {r['cost_control']}", file=sys.stderr)
+        if r.get("tree_cost_control"):
+            print(f"    tree cost control: {r['tree_cost_control']}", file=sys.stderr)
     for f in failed:
         print(f"{f['config']:28s} FAILED: {f['error'][:300]}", file=sys.stderr)
     return 0

@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 
 from vllm_specx.algorithms.draft_length import StepCosts
-from vllm_specx.glue.tree_cost import PROBE_EVERY, TreeCostControl, apply_keep
+from vllm_specx.glue.tree_cost import (
+    MAX_PROBE_EVERY,
+    PROBE_EVERY,
+    TreeCostControl,
+    apply_keep,
+)
 
 
 def _tree() -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +67,32 @@ def test_depth_follows_what_deeper_depths_were_worth():
     assert depths.count(1) >= 2 * PROBE_EVERY - 2 and 3 in depths  # with full-depth probes
     control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)  # free passes: full depth
     assert control.choose_depth(1, 3) == 3
+
+
+def test_full_depth_probes_back_off_while_they_keep_nothing():
+    # Nothing pays (a node costs ten steps): every probe's tree is cut to nothing, so the
+    # rounds between full-depth probes double, 8 -> 16 -> 32 -> 64, and stay at 64; a
+    # probe that keeps a node (cheap nodes again) brings the usual 8 back. Reference: the
+    # rounds at which a probe is due, written out.
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 10.0, 1.0, 0.0)
+    assert control.choose_depth(1, 3) == 3  # nothing measured yet: the full depth
+    control.prune(["a"], [parents], [logq], 2, 2)
+    probes, waits = [], []
+    for i in range(1, 8 + 16 + 32 + 64 + 64 + 1):
+        depth = control.choose_depth(1, 3)
+        if depth:
+            probes.append(i)
+            assert depth == 3 and not control.prune(["a"], [parents], [logq], 2, 2)[0].any()
+        waits.append(control.probe_every)
+    assert probes == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 64, 8 + 16 + 32 + 64 + 64]
+    assert control.probe_every == MAX_PROBE_EVERY == 64
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 1.0, 0.0)  # nodes pay again
+    while not control.choose_depth(1, 3):
+        pass
+    assert control.prune(["a"], [parents], [logq], 2, 2)[0].any()
+    assert control.probe_every == PROBE_EVERY
 
 
 def test_bench_report_prints_what_the_tree_control_kept():

@@ -49,6 +49,12 @@ DEPTH_FORGETTING = 0.9  # per round, for the per-depth kept value and nodes
 PROBE_EVERY = 8  # rounds: a round drafted shallower than the full depth is followed, at
 # the latest this many rounds later, by one at the full depth, so the deeper depths'
 # values are measured again (they are only learnt from rounds that drafted them)
+# A full-depth probe whose tree is pruned to nothing doubles the wait for the next (up to
+# this many rounds); one that keeps a node, or a round whose own choice is the full
+# depth, brings it back to PROBE_EVERY. Why: where nothing pays (real pair, EAGLE-3 tree
+# 8/4/2, batch 8, T = 1) the probes were the only rounds that drafted, one in 8, each
+# paying every head pass for a tree cut to nothing: 0.86x of no speculation.
+MAX_PROBE_EVERY = 64
 
 
 @dataclass
@@ -80,6 +86,8 @@ class TreeCostControl:
         self._depth_value: list[float | None] = []
         self._depth_nodes: list[float | None] = []
         self._since_full = 0
+        self.probe_every = PROBE_EVERY  # rounds between full-depth probes (backs off)
+        self._probing = False  # this round is a full-depth probe, not yet pruned
 
     @property
     def scale(self) -> float:
@@ -131,6 +139,10 @@ class TreeCostControl:
         for rid, keep, qq in zip(req_ids, budget.keep, q):
             self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
         self._last_total = budget.total_nodes
+        if self._probing:
+            self._probing = False
+            self.probe_every = (PROBE_EVERY if budget.total_nodes else
+                                min(2 * self.probe_every, MAX_PROBE_EVERY))
         self._learn_depths(par, values, budget.keep)
         s = self.stats
         s.rounds += 1
@@ -166,13 +178,15 @@ class TreeCostControl:
         """Tree depth to draft this round, before any head pass (``choose_tree_depth``):
         depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing. A
         depth never drafted yet counts as paying (it is drafted and measured), and every
-        :data:`PROBE_EVERY` rounds the full depth is drafted again."""
+        :attr:`probe_every` rounds (:data:`PROBE_EVERY`, doubled per probe pruned to
+        nothing, up to :data:`MAX_PROBE_EVERY`) the full depth is drafted again."""
         known = self._depth_value[:max_depth]
         if len(known) < max_depth or any(v is None for v in known):
             return max_depth
         self._since_full += 1
-        if self._since_full >= PROBE_EVERY:
+        if self._since_full >= self.probe_every:
             self._since_full = 0
+            self._probing = True
             return max_depth
         costs = self.step_costs()
         pass_cost = costs.draft_pass + costs.draft_row * num_reqs
@@ -184,6 +198,7 @@ class TreeCostControl:
             step_costs_target(costs, num_reqs))
         if depth == max_depth:
             self._since_full = 0
+            self.probe_every = PROBE_EVERY  # the full depth pays: probes at the usual pace
         return depth
 
     def skipped(self, req_ids: Sequence[str]) -> None:
@@ -216,6 +231,7 @@ class TreeCostControl:
             "model": ("fixed " + str(self.fixed_costs)) if self.fixed_costs is not None
             else self.costs.describe(),
             "acceptance_scale": round(self.scale, 3),
+            "probe_every": self.probe_every,
             "rounds": s.rounds, "all_zero_rounds": s.all_zero_rounds,
             "unpruned_rounds": s.unpruned_rounds,
             "drafted_nodes": s.drafted_nodes, "kept_nodes": s.kept_nodes,
