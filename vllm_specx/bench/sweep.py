@@ -57,7 +57,7 @@ def cost_control_applies(cfg: dict[str, Any]) -> bool:
         tree = cfg["draft_tree"]
         return not (isinstance(tree, dict) and "paths" in tree)
     if method in _CONTROLLED:
-        return not cfg.get("draft_tree")
+        return True  # a chain (its trees returned above)
     if method in _CONTROLLED_WHEN_ADAPTIVE:
         return bool(cfg.get("adaptive"))
     return False

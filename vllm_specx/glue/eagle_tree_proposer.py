@@ -58,7 +58,7 @@ import torch
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.glue.draft_passes import RoundStart
-from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
+from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for, tree_cost_stats
 
 
 class EagleTreeRound:
@@ -111,11 +111,7 @@ class EagleTreeRound:
         return path_rows_to_chain(step, hidden)
 
     def specx_stats(self) -> dict[str, Any]:
-        stats = super().specx_stats()  # type: ignore[misc]
-        control = getattr(self, "_tree_cost", None)
-        if control is not None:
-            stats["tree_cost_control"] = control.describe()
-        return stats
+        return tree_cost_stats(self, super().specx_stats())  # type: ignore[misc]
 
     # -- the round ----------------------------------------------------------------------
 

@@ -97,7 +97,7 @@ from vllm_specx.glue.cost_model import (
 )
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
-from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for
+from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for, tree_cost_stats
 from vllm_specx.methods import GREEDY_DRAFTING
 
 logger = logging.getLogger("vllm.specx")
@@ -529,10 +529,7 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
     def specx_stats(self) -> dict[str, Any]:
         """The round's stats, and the tree cost control's model and prunings when it ran
         (``vllm-specx bench`` prints them), as the EAGLE head trees report."""
-        stats = super().specx_stats()
-        if self._tree_cost is not None:
-            stats["tree_cost_control"] = self._tree_cost.describe()
-        return stats
+        return tree_cost_stats(self, super().specx_stats())
 
     # The tree cost control while a top-k round runs (read by _tree_round), else None.
     _round_tree_cost: Any = None

@@ -253,6 +253,17 @@ def apply_keep(tokens: torch.Tensor, parents: torch.Tensor, keep: np.ndarray
     return tokens[idx.to(tokens.device)], new_index[par + 1], idx
 
 
+def tree_cost_stats(proposer: Any, stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` (a tree drafter's ``specx_stats()`` for ``vllm-specx bench``) with the
+    tree control's model and prunings under ``"tree_cost_control"`` where it ran; the
+    EAGLE/MTP head trees and the ``adaptive`` draft-model tree report alike (as the chain
+    drafters do through ``cost_model.cost_control_stats``)."""
+    control = getattr(proposer, "_tree_cost", None)
+    if control is not None:
+        stats["tree_cost_control"] = control.describe()
+    return stats
+
+
 def tree_cost_control_for(proposer: Any) -> TreeCostControl | None:
     """The proposer's tree control when its settings turn ``cost_control`` on (made once,
     kept on the proposer as ``_tree_cost``), else None. Off under tensor or pipeline
