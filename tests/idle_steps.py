@@ -61,6 +61,35 @@ def scripted_control(drafter: Any, k: int, rates: Any) -> Any:
     return control
 
 
+class ScriptedTreeDepths:
+    """Stands in for the tree cost control's depth choice (``choose_depth``): depth 0 on
+    :class:`ScriptedIdleRates`'s all-zero steps (each fourth step, steps 8-11 of every
+    16), the full depth on the others."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+        self.step += 1
+        idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
+        return 0 if idle or num_reqs == 0 else max_depth
+
+
+def scripted_tree_control(drafter: Any) -> Any:
+    """A new tree cost control on a head-tree ``drafter`` with a fixed cost model under
+    which nearly every drafted node pays (a verified node costs 1e-4 of a step: the
+    trees stay trees) and :class:`ScriptedTreeDepths` choosing its depths: the tree
+    analogue of :func:`scripted_control`."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+
+    drafter._tree_cost = None
+    control = tree_cost_control_for(drafter)
+    control.fixed_costs = StepCosts(**{**MEMORY_BOUND, "target_per_token": 1e-4})
+    control.choose_depth = ScriptedTreeDepths()
+    return control
+
+
 def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              drafts: Any) -> tuple[list[str], list[list[int]]]:
     """One ``propose`` call's request ids and drafts, on either runner: V1's proposers
@@ -80,7 +109,7 @@ def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, max_hole: int | None = None,
-                   fresh_prefix_cache: bool = False) -> dict[str, Any]:
+                   fresh_prefix_cache: bool = False, tree: bool = False) -> dict[str, Any]:
     """Generate ``prompts`` twice under the same scripted plans: once skipping the
     head's first pass on all-zero steps (its KV caught up later, in passes of at most 3
     tokens, with the hole bookkeeping in 4-position blocks so skipped steps also catch up
@@ -91,9 +120,11 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     before each run (and after the last), so both runs compute the prompts in the same
     steps. The drafter's settings are restored afterwards. Runs where the engine is: a
     V1 engine in the test process, or a Model Runner V2 one in the V2 host (its
-    speculator as ``drafter``)."""
+    speculator as ``drafter``). ``tree``: ``drafter`` drafts head trees; the tree cost
+    control's depths are scripted instead (:func:`scripted_tree_control`)."""
 
     saved = dict(drafter.settings)
+    saved_tree_control = getattr(drafter, "_tree_cost", None)
     original = drafter.propose
     rounds: list[tuple[list[str], list[list[int]]]] = []
 
@@ -119,6 +150,8 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     saved_control = drafter._cost_control
 
     def fresh_control() -> Any:
+        if tree:
+            return scripted_tree_control(drafter)
         return scripted_control(drafter, k, ScriptedIdleRates(k))
 
     drafter._kv_holes = None  # a fresh hole record: its stats are this call's
@@ -153,6 +186,7 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
         drafter.__dict__.pop("skips_idle_first_pass", None)
         drafter.settings = saved
         drafter._cost_control = saved_control
+        drafter._tree_cost = saved_tree_control
         if fresh_prefix_cache:
             llm.reset_prefix_cache()
     return out

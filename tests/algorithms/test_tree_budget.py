@@ -149,8 +149,9 @@ def test_choose_tree_depth_matches_enumeration(seed: int) -> None:
     nodes = rng.integers(1, 9, size=d)
     passes = rng.random(d) * 0.3
     target = lambda s: 1.0 + 0.1 * s  # noqa: E731
-    got = choose_tree_depth(vals, nodes, 4, 0.1, passes, target)
-    rates = [4 / (0.1 + target(0))] + [
+    skip = float(rng.random() * 0.5) if seed % 2 else 0.0
+    got = choose_tree_depth(vals, nodes, 4, 0.1, passes, target, skip_cost=skip)
+    rates = [4 / (0.1 + skip + target(0))] + [
         (4 + vals[:k].sum()) / (0.1 + passes[:k].sum() + target(int(nodes[:k].sum())))
         for k in range(1, d + 1)
     ]

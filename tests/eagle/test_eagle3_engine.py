@@ -228,6 +228,10 @@ def runs(target: str, eagle3_head: str,
         out["tree_cost"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
         out["tree_cost_seconds"] = time.perf_counter() - began
         out["tree_cost_control"] = drafter.specx_stats().get("tree_cost_control")
+        # Depth 0 on runs of rounds (scripted): those steps skip the head's first pass, and
+        # its KV is caught up after tree steps as after chain steps.
+        out["tree_idle"] = run_idle_steps(llm, drafter, K, prompts["short"],
+                                          greedy(NEW_TOKENS), tree=True)
         drafter.settings = {**drafter.settings, "cost_control": False,
                             "draft_tree": {"paths": STATIC_PATHS}}
         # Each round also drafts the argmax chain over the same first pass (the chain
@@ -275,6 +279,18 @@ def test_steps_where_nobody_drafts_skip_the_heads_first_pass_and_catch_its_kv_up
     check_idle_steps(runs["idle_long"], runs["plain_long"])
     check_idle_steps(runs["idle_many"], runs["plain_many_idle"])
     assert runs["idle_preemptions"] > 0
+
+
+def test_tree_rounds_of_depth_zero_skip_the_heads_first_pass_and_catch_its_kv_up(runs):
+    """specx_eagle3 with a dynamic tree, its cost control choosing depth 0 on runs of
+    rounds (scripted): those steps skip the head's first pass, keeping its inputs in the
+    chain layout of the tree step before; the next first pass is preceded by the catch-up.
+    Greedy output equals no speculation, and every round's trees (and first-pass outputs)
+    equal those of the same depths with every first pass run."""
+    idle = runs["tree_idle"]
+    check_idle_steps(idle, runs["plain_short"])
+    # Trees, not chains: some round drafted more nodes than the tree's depth.
+    assert max(len(d) for _, drafts in idle["skip_rounds"] for d in drafts) > 4
 
 
 def test_a_request_idle_for_long_retires_from_drafting_and_output_is_unchanged(runs):

@@ -95,6 +95,33 @@ def test_full_depth_probes_back_off_while_they_keep_nothing():
     assert control.probe_every == PROBE_EVERY
 
 
+def test_retired_requests_keep_no_node_and_a_batch_of_them_drafts_no_depth():
+    # A retired request (its head KV upkeep stopped) keeps nothing, even where every node
+    # is free; the others are pruned as before. A batch with no request left that may
+    # draft gets depth 0, probes included.
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.0, 0.0, 0.0)
+    keep = control.prune(["a", "b"], [parents, parents], [logq, logq], 2, 4, retired={"b"})
+    assert keep[0].all() and not keep[1].any()
+    assert control.stats.kept_nodes == 5
+    assert [control.choose_depth(0, 3) for _ in range(3 * PROBE_EVERY)] == [0] * 3 * PROBE_EVERY
+
+
+def test_depth_zero_chosen_before_the_first_pass_pays_the_skip_debt():
+    # Before the first pass (which depth 0 then skips) depth 0 also costs what a skipped
+    # pass leaves to a catch-up: a debt that makes a plain step dearer than drafting tips
+    # the choice to depth 1; after the first pass (paid either way) it does not count.
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2)
+    control.prune(["a"], [parents], [logq], 2, 2)
+    assert control.choose_depth(1, 3) == 0
+    control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2, skip_debt=2.0)
+    assert control.choose_depth(1, 3, skips_first_pass=True) == 1
+    assert control.choose_depth(1, 3) == 0
+
+
 def test_bench_report_prints_what_the_tree_control_kept():
     from vllm_specx.bench.report import markdown_table
 
@@ -109,3 +136,13 @@ def test_bench_report_prints_what_the_tree_control_kept():
     assert "kept 17 of 96 drafted nodes over 12 rounds (5 keeping none" in line
     assert "{'0': 5, '1': 4, '3': 3}" in line and "acceptance scale" in line
     assert "(prior, 0 steps)" in line  # nothing measured yet: the prior's model
+    assert "first passes skipped" not in line
+    # A head tree whose depth-0 rounds skipped the first pass says so, and what retired.
+    described = {**control.describe(), "idle_first_pass": {
+        "skipped_first_passes": 7, "catch_up_passes": 3, "catch_up_tokens": 11,
+        "retired_requests": 2, "retired_on_arrival": 0, "retire_after": 48}}
+    report["configs"][0]["drafter_stats"]["tree_cost_control"] = described
+    line = next(x for x in markdown_table(report).splitlines()
+                if x.startswith("- tree cost control of eagle3 tree"))
+    assert "; 7 first passes skipped (depth 0), caught up in 3 passes over 11 positions" in line
+    assert "2 requests retired from drafting" in line

@@ -282,6 +282,7 @@ def run_head_trees(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
                                     target_per_token=0.3, draft_pass=0.0, draft_row=0.0)
     out["pruned"] = generate_token_ids(llm, prompts, GREEDY)
     out["pruned_control"] = control.describe()
+    dynamic_settings = dict(spec.settings)
     spec.settings = {**spec.settings, "cost_control": False,
                      "draft_tree": {"paths": HEAD_STATIC}}
     tree_round = spec.draft_round
@@ -301,6 +302,16 @@ def run_head_trees(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
         del spec.draft_round
     out["pairs"] = pairs
     out["stats"] = asdict(runner.specx_tree_state.stats)
+    # The dynamic tree again, its depth 0 on runs of rounds (scripted, tests/idle_steps.py):
+    # those steps skip the first pass; the head's KV is caught up before the next one, as
+    # after chain steps.
+    from idle_steps import run_idle_steps
+    from vllm import SamplingParams
+
+    spec.settings = dynamic_settings
+    k = getattr(spec, "num_speculative_steps", None) or spec.num_speculative_tokens
+    out["idle"] = run_idle_steps(llm, spec, k, prompts,
+                                 SamplingParams(**GREEDY), fresh_prefix_cache=True, tree=True)
     return out
 
 
@@ -355,6 +366,21 @@ def test_eagle3_head_tree_cost_control_prunes_on_v2(head_tree_run, v2_heldout_re
     assert sizes.get(0, 0) > 0, sizes  # pruned to nothing
     assert any(n >= 2 and c > 0 for n, c in sizes.items()), sizes  # and kept as a tree
     assert 0 < control["kept_nodes"] < control["drafted_nodes"]
+
+
+def test_eagle3_tree_rounds_of_depth_zero_skip_the_first_pass_on_v2(head_tree_run,
+                                                                   v2_heldout_reference):
+    """specx_eagle3 dynamic tree on V2, its cost control choosing depth 0 on runs of
+    rounds (scripted): those steps skip vLLM's first pass, keeping its inputs (the
+    auxiliary hidden states uncombined, in the chain layout of the tree step before); the
+    next first pass, and block ends under prefix caching, catch the head's KV up first.
+    Greedy output equals no speculation, and every round's trees and first-pass outputs
+    equal those of the same depths with every first pass run."""
+    from idle_steps import check_idle_steps
+
+    idle = head_tree_run["idle"]
+    check_idle_steps(idle, v2_heldout_reference)
+    assert max(len(d) for _, drafts in idle["skip_rounds"] for d in drafts) > 4
 
 
 # specx_mtp trees on V2 (glue/v2_eagle.py's MtpChainV2Speculator: the same head-tree round
@@ -455,6 +481,12 @@ def test_mtp_trees_equal_no_speculation_and_v1_on_v2(mtp_tree_runs):
     for control in (v1["pruned_control"], v2["pruned_control"]):
         assert 0 < control["kept_nodes"] < control["drafted_nodes"], control
         assert control["kept_histogram"].get("0", 0) > 0, control
+    # Rounds of depth 0 (scripted) skip the MTP layer's first pass, caught up after, on
+    # both runners: the same trees as with every first pass run.
+    from idle_steps import check_idle_steps
+
+    check_idle_steps(v1["idle"], reference)
+    check_idle_steps(v2["idle"], reference)
     dynamic = v2["dynamic_stats"]
     assert dynamic["tree_requests"] > 0 and dynamic["chain_fallback_steps"] == 0, dynamic
     assert dynamic["tree_nodes"] > 4 * dynamic["tree_requests"], dynamic

@@ -262,16 +262,20 @@ def choose_tree_depth(
     base: float,
     pass_costs: Sequence[float],
     target: TargetCost,
+    skip_cost: float = 0.0,
 ) -> int:
     """Drafter passes to run before drafting (0: a plain step).
 
     ``depth_values[d - 1]`` / ``depth_nodes[d - 1]``: the expected kept value and kept
     nodes, over the batch, of depth ``d`` of the trees (from the last steps' pruned
     trees); ``pass_costs[d - 1]``: the drafter's pass ``d``; ``base``: the step's cost
-    outside the drafter and the target. Returns ``argmax_D (R + sum_{d<=D} value) /
-    (base + sum_{d<=D} pass + target(sum_{d<=D} nodes))``, the shallower on ties.
+    outside the drafter and the target; ``skip_cost``: what depth 0 leaves to be paid
+    later (a drafter that then skips its first pass catches its KV up in a later pass:
+    ``StepCosts.skip_debt`` per request). Returns ``argmax_D (R + sum_{d<=D} value) /
+    (base + [D = 0] skip_cost + sum_{d<=D} pass + target(sum_{d<=D} nodes))``, the
+    shallower on ties.
     """
-    best_d, best_rate = 0, num_reqs / (base + float(target(0)))
+    best_d, best_rate = 0, num_reqs / (base + skip_cost + float(target(0)))
     value, nodes, passes = 0.0, 0, 0.0
     for d in range(1, len(depth_values) + 1):
         value += float(depth_values[d - 1])

@@ -238,8 +238,21 @@ def tree_cost_control_line(control: dict[str, Any]) -> str:
         f"over {control.get('rounds')} rounds ({control.get('all_zero_rounds')} keeping none: "
         f"plain steps; {control.get('unpruned_rounds')} not pruned), nodes kept per "
         f"request-round {control.get('kept_histogram')}, acceptance scale "
-        f"{control.get('acceptance_scale')}; {_cost_model_text(control.get('model'))}"
+        f"{control.get('acceptance_scale')}"
+        + _skipped_text(control.get("idle_first_pass"))
+        + _retired_text(control.get("idle_first_pass"))
+        + f"; {_cost_model_text(control.get('model'))}"
     )
+
+
+def _skipped_text(idle: Any) -> str:
+    """How many first passes a drafter skipped on steps where nobody drafted, and the
+    catch-ups that wrote their draft KV later (``DraftKVHoles.as_dict``)."""
+    if not isinstance(idle, dict) or not idle.get("skipped_first_passes"):
+        return ""
+    return (f"; {idle['skipped_first_passes']} first passes skipped (depth 0), caught up "
+            f"in {idle.get('catch_up_passes')} passes over {idle.get('catch_up_tokens')} "
+            "positions")
 
 
 def _cost_model_text(model: Any) -> str:

@@ -807,8 +807,10 @@ class DraftKVHoles:
         """Feed batch row ``i`` its committed tokens at ``todo[i] = [start, end)``, through
         the drafter's own lookahead passes (V1: :class:`LookaheadPasses` over ``cad``;
         Model Runner V2: ``glue/v2_speculators.V2LookaheadPasses`` over its batch)."""
-        # The cost model does not count catch-ups as this step's cost (MeasuredCosts.exclude).
-        control = getattr(proposer, "_cost_control", None)
+        # The cost model does not count catch-ups as this step's cost (MeasuredCosts.exclude):
+        # the chain control's, or a tree drafter's tree control's.
+        control = (getattr(proposer, "_cost_control", None)
+                   or getattr(proposer, "_tree_cost", None))
         clock = control.costs.clock if control is not None else None
         started = clock() if clock is not None and todo else None
         positions = sum(q - h for h, q in todo.values())

@@ -96,10 +96,9 @@ class EagleRoundHooks(ChainRound):
 
     def first_pass_hidden(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """An EAGLE-3 head's ``fc`` over the target's auxiliary hidden states (vLLM's
-        ``propose`` applies it before its first pass), on a chain step (on V1 a tree step
-        combined them in ``EagleChainProposer.propose``); what a catch-up feeds the kept
-        rows through (``HeadKVHoles``: chain steps only; on V1 also the first pass)."""
-        if self.method == "eagle3" and getattr(self, "tree_state", None) is None:
+        ``propose`` applies it before its first pass): what a catch-up feeds the kept
+        rows through (``HeadKVHoles``), on V1 also the first pass, chain or tree step."""
+        if self.method == "eagle3":
             return self.model.combine_hidden_states(target_hidden_states)
         return target_hidden_states
 
@@ -110,9 +109,10 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
     draft (``mtp``, ``eagle`` or ``eagle3``) vLLM built. With ``draft_tree`` (EAGLE
     heads) the round drafts a tree instead (``glue/eagle_tree_proposer.py``).
 
-    A chain step where cost control plans no drafts for anyone skips the head's first
-    pass: the head keeps that pass's inputs (the target's hidden states and the tokens)
-    and feeds them before its next first pass (``glue/head_kv_holes.py``)."""
+    A step where cost control plans no drafts for anyone (a chain planned at zero, a tree
+    at depth 0) skips the head's first pass: the head keeps that pass's inputs (the
+    target's hidden states and the tokens) and feeds them before its next first pass
+    (``glue/head_kv_holes.py``)."""
 
     skips_idle_first_pass = True
 
@@ -131,20 +131,16 @@ class EagleChainProposer(EagleTreeRound, EagleRoundHooks, ChainDrafter, EaglePro
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]] | torch.Tensor:
         """vLLM's ``propose``. After a tree step the accepted nodes' rows are first moved
-        into the chain layout (and an EAGLE-3 head's auxiliary hidden states combined by
-        its ``fc`` right away); on a chain step the combination waits for the first pass
-        (:meth:`first_pass_hidden`), so a skipped step does not pay it (its kept rows are
-        combined when the catch-up feeds them)."""
+        into the chain layout. An EAGLE-3 head's auxiliary hidden states are combined by
+        its ``fc`` only when the first pass runs (:meth:`first_pass_hidden`), so a
+        skipped step does not pay it (its kept rows are combined when the catch-up feeds
+        them)."""
         if self.tree_state is not None:
-            def prepare(hidden: torch.Tensor) -> torch.Tensor:
-                hidden = self.path_rows_in_chain_order(hidden)
-                return (self.model.combine_hidden_states(hidden) if self.method == "eagle3"
-                        else hidden)
-
             if "target_hidden_states" in kwargs:
-                kwargs["target_hidden_states"] = prepare(kwargs["target_hidden_states"])
+                kwargs["target_hidden_states"] = self.path_rows_in_chain_order(
+                    kwargs["target_hidden_states"])
             else:  # positional: (K, token ids, positions, hidden states, ...)
-                args = (*args[:3], prepare(args[3]), *args[4:])
+                args = (*args[:3], self.path_rows_in_chain_order(args[3]), *args[4:])
         return super().propose(*args, **kwargs)
 
     def run_model(self, model_kwargs: dict[str, Any], num_input_tokens: int) -> torch.Tensor:

@@ -46,12 +46,21 @@ step's tokens and positions in the chain layout ``[root, path..., rest]``
 accepted nodes' hidden-state rows the same way, so the first pass sees exactly the chain
 it would have seen had the path been drafted as one (and rewrites the head's KV there).
 
+**Steps that draft nothing.** With cost control (a dynamic tree's default) the round's
+depth is chosen before vLLM's first pass (:meth:`EagleTreeRound.plan_before_first_pass`,
+called where the chain rounds plan: ``SpecxPasses.propose`` on V1,
+``plan_or_skip_first_pass`` on Model Runner V2). Depth 0 skips that pass as a chain step
+where nobody drafts does: the head keeps the pass's inputs, in the chain layout above, and
+catches its KV up before the next first pass that runs (``glue/head_kv_holes.py``); a
+request idle long enough retires and none of its nodes is verified again.
+
 vLLM private names relied on (beyond ``draft_passes.py``'s): the proposer's
 ``_get_positions`` (the positions a pass's model call reads) and ``max_num_tokens``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +68,15 @@ from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.glue.draft_passes import RoundStart
 from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for, tree_cost_stats
+
+
+@dataclass
+class TreeRoundPlan:
+    """A tree round's depth, chosen by the tree cost control before the first pass
+    (``RoundStart.plan``); depth 0 is a plain step whose first pass is skipped."""
+
+    depth: int
+    skip_first_pass: bool
 
 
 class EagleTreeRound:
@@ -115,23 +133,67 @@ class EagleTreeRound:
 
     # -- the round ----------------------------------------------------------------------
 
-    def draft_round(
-        self, start: RoundStart, sampling_metadata: SamplingMetadata
-    ) -> list[list[int]] | torch.Tensor:
-        if self.tree_state is None:
-            return super().draft_round(start, sampling_metadata)  # type: ignore[misc]
+    def _tree_shape_and_control(self) -> tuple[dict[str, Any], Any]:
         from vllm_specx.methods import head_tree
 
         shape = head_tree(self.settings)
         assert shape is not None, "a tree state without a head tree config"
         # Cost control prunes dynamic trees only: a static {"paths"} tree is drafted to
         # the shape the user gave, node for node.
-        control = None if "paths" in shape else tree_cost_control_for(self)
+        return shape, None if "paths" in shape else tree_cost_control_for(self)
+
+    def _retired(self) -> Any:
+        """Requests whose head KV upkeep stopped (``DraftKVHoles.retired``): none of
+        their nodes is verified (their drafts would read a KV with holes)."""
+        holes = getattr(self, "_kv_holes", None)
+        return holes.retired if holes is not None else ()
+
+    def plan_before_first_pass(
+        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
+        target_tokens: int,
+    ) -> Any:
+        """With a tree, the tree cost control's depth for the round, chosen before the
+        first pass (see the module doc): the round, first pass included, is timed from
+        here, and depth 0 (:class:`TreeRoundPlan` with ``skip_first_pass``) is a plain
+        step that skips that pass. None (no control: a static tree, or ``cost_control``
+        off): the round drafts as configured. Without a tree, the chain round's plan."""
+        if self.tree_state is None:
+            return super().plan_before_first_pass(  # type: ignore[misc]
+                k, req_ids, num_rejected, target_tokens)
+        shape, control = self._tree_shape_and_control()
+        if control is None:
+            return None
+        control.begin(req_ids, num_rejected, target_tokens)
+        retired = self._retired()
+        active = sum(rid not in retired for rid in req_ids)
+        depth = control.choose_depth(active, int(shape["max_depth"]), skips_first_pass=True)
+        if depth > 0:
+            return TreeRoundPlan(depth, skip_first_pass=False)
+        control.skipped(req_ids)
+        control.end(0, 0, drafted=False)
+        empty = [torch.empty(0, dtype=torch.int64) for _ in req_ids]
+        self.tree_state.record_round(list(req_ids), empty, empty)
+        self.stats.record([0] * len(req_ids), k, 0, 0, 0)  # type: ignore[attr-defined]
+        return TreeRoundPlan(0, skip_first_pass=True)
+
+    def draft_round(
+        self, start: RoundStart, sampling_metadata: SamplingMetadata
+    ) -> list[list[int]] | torch.Tensor:
+        if self.tree_state is None:
+            return super().draft_round(start, sampling_metadata)  # type: ignore[misc]
+        shape, control = self._tree_shape_and_control()
         if start.k == 0:
             if control is not None:
                 control.forget_interval()
             return start.no_drafts()
-        if control is not None:
+        # The depth chosen before the first pass (None: the first pass ran unplanned, a
+        # hole too long to skip it or a runner that does not plan; the round plans now).
+        plan = start.plan if isinstance(start.plan, TreeRoundPlan) else None
+        if plan is not None and plan.skip_first_pass:
+            # Depth 0 and the first pass ran (a drafter told not to skip it): the plan
+            # already ended and recorded the round.
+            return [[] for _ in range(start.num_reqs)]
+        if control is not None and plan is None:
             control.begin(start.req_ids, start.num_rejected, start.target_tokens)
         lm_in, fed_back = self.read_pass(start.out)  # type: ignore[attr-defined]
         root_lp = self._logprobs(lm_in)  # [R, V]
@@ -145,10 +207,12 @@ class EagleTreeRound:
         req_ids = list(start.req_ids if start.req_ids is not None
                        else runner.input_batch.req_ids[:num_reqs])
         depth = int(shape.get("max_depth", 0)) if "paths" not in shape else 0
+        retired = self._retired()
         if control is not None:
             # The head passes are paid before the tree exists: their number is chosen
             # from what the last rounds' pruned trees were worth per depth.
-            depth = control.choose_depth(num_reqs, depth)
+            depth = plan.depth if plan is not None else control.choose_depth(
+                sum(rid not in retired for rid in req_ids), depth)
         if "paths" in shape:
             tokens, parents = tree.static(root_lp, shape["paths"])
         elif depth == 0:
@@ -165,7 +229,8 @@ class EagleTreeRound:
         elif control is not None:
             # Keep per request the nodes that pay at the measured costs (glue/tree_cost.py);
             # the head's passes are paid already. Zero nodes: the request verifies nothing.
-            keep = control.prune(req_ids, parents, tree.node_logq, tree.passes, tree.rows)
+            keep = control.prune(req_ids, parents, tree.node_logq, tree.passes, tree.rows,
+                                 retired=retired)
             cut = [apply_keep(t, p, k) for t, p, k in zip(tokens, parents, keep)]
             tokens, parents = [c[0] for c in cut], [c[1] for c in cut]
             control.end(tree.passes, tree.rows)

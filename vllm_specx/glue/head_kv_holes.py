@@ -22,7 +22,9 @@ caching, blocks vLLM caches are caught up when they complete (as for a draft mod
 request keeps at most a block plus a step. Entries of requests the runner no longer holds
 (finished) are dropped; a request recomputed from before its hole (resumed after
 preemption) drops its entry at its next first pass, which rewrites those positions.
-Draft trees (``tree_state``) and vLLM's drafting paths that reshape the first pass's inputs
+Draft trees skip too (a depth-0 round of the tree cost control,
+``glue/eagle_tree_proposer.py``): their kept rows are the chain layout the first pass
+reads after a tree step. vLLM's drafting paths that reshape the first pass's inputs
 (parallel drafting, a heterogeneous vocabulary) never skip.
 
 One record for both runners: V1's ``EagleChainProposer`` keeps a step through
@@ -98,8 +100,7 @@ class HeadKVHoles(DraftKVHoles):
 
     def may_skip(self, proposer: Any, req_ids: Sequence[str], first_pos: np.ndarray,
                  query_lens: np.ndarray) -> bool:
-        if (getattr(proposer, "tree_state", None) is not None
-                or getattr(proposer, "needs_extra_input_slots", False)
+        if (getattr(proposer, "needs_extra_input_slots", False)
                 or getattr(proposer, "use_heterogeneous_vocab", False)):
             return False
         for rid, q, n in zip(req_ids, first_pos.tolist(), query_lens.tolist()):

@@ -24,8 +24,8 @@ Tests inject a fixed model (:attr:`TreeCostControl.fixed_costs`), as the chain c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -123,18 +123,29 @@ class TreeCostControl:
 
     def prune(self, req_ids: Sequence[str], parents: Sequence[torch.Tensor],
               path_logq: Sequence[torch.Tensor], passes: int, rows: int,
-              whole_groups: Sequence[bool] | None = None) -> list[np.ndarray]:
+              whole_groups: Sequence[bool] | None = None,
+              retired: Container[str] = ()) -> list[np.ndarray]:
         """Per request a bool mask of the nodes to keep (a rooted subtree of its BFS
         tree); ``path_logq``: each node's cumulative draft log-probability; ``passes`` /
-        ``rows``: the tree round's drafter passes and their rows (already paid)."""
+        ``rows``: the tree round's drafter passes and their rows (already paid).
+        ``retired``: requests whose draft KV upkeep stopped (``DraftKVHoles.retired``):
+        their drafts read a head KV with holes, so none of their nodes is kept."""
         par = [p.to("cpu", torch.int64).numpy() for p in parents]
         q = [np.exp(s.to("cpu", torch.float64).numpy()) for s in path_logq]
         scale = self.scale
-        values = [calibrated_path_values(p, qq, scale) for p, qq in zip(par, q)]
+        values = [np.zeros(len(p)) if rid in retired else calibrated_path_values(p, qq, scale)
+                  for rid, p, qq in zip(req_ids, par, q)]
         costs = self.step_costs()
         drafted = any(len(p) for p in par)
         budget = prune_trees(par, values, step_costs_paid(costs, drafted, passes, rows),
                              step_costs_target(costs, len(par)), whole_groups=whole_groups)
+        if retired and any(rid in retired and k.any() for rid, k in zip(req_ids, budget.keep)):
+            # Zero values never pay where a node costs anything; a free node (a cost model
+            # of zeros) still must not be verified from a head KV with holes.
+            keep = [np.zeros_like(k) if rid in retired else k
+                    for rid, k in zip(req_ids, budget.keep)]
+            budget = replace(budget, keep=keep,
+                                         total_nodes=int(sum(k.sum() for k in keep)))
         self._last = {}
         for rid, keep, qq in zip(req_ids, budget.keep, q):
             self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
@@ -174,12 +185,18 @@ class TreeCostControl:
             self._depth_value[i] = per_v if old_v is None else a * old_v + (1 - a) * per_v
             self._depth_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
 
-    def choose_depth(self, num_reqs: int, max_depth: int) -> int:
+    def choose_depth(self, num_reqs: int, max_depth: int,
+                     skips_first_pass: bool = False) -> int:
         """Tree depth to draft this round, before any head pass (``choose_tree_depth``):
         depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing. A
         depth never drafted yet counts as paying (it is drafted and measured), and every
         :attr:`probe_every` rounds (:data:`PROBE_EVERY`, doubled per probe pruned to
-        nothing, up to :data:`MAX_PROBE_EVERY`) the full depth is drafted again."""
+        nothing, up to :data:`MAX_PROBE_EVERY`) the full depth is drafted again.
+        ``num_reqs``: the requests that may draft (0: depth 0, no probe).
+        ``skips_first_pass``: chosen before the first pass, which depth 0 then skips
+        (its KV caught up later: ``skip_debt`` per request is depth 0's cost)."""
+        if num_reqs <= 0:
+            return 0
         known = self._depth_value[:max_depth]
         if len(known) < max_depth or any(v is None for v in known):
             return max_depth
@@ -195,7 +212,8 @@ class TreeCostControl:
             [int(round(num_reqs * float(n))) for n in self._depth_nodes[:max_depth]],
             num_reqs, costs.fixed,
             [costs.draft_round] + [pass_cost] * (max_depth - 1),
-            step_costs_target(costs, num_reqs))
+            step_costs_target(costs, num_reqs),
+            skip_cost=costs.skip_debt * num_reqs if skips_first_pass else 0.0)
         if depth == max_depth:
             self._since_full = 0
             self.probe_every = PROBE_EVERY  # the full depth pays: probes at the usual pace
@@ -261,6 +279,9 @@ def tree_cost_stats(proposer: Any, stats: dict[str, Any]) -> dict[str, Any]:
     control = getattr(proposer, "_tree_cost", None)
     if control is not None:
         stats["tree_cost_control"] = control.describe()
+        holes = getattr(proposer, "_kv_holes", None)
+        if holes is not None:  # a head tree's depth-0 rounds skip the first pass
+            stats["tree_cost_control"]["idle_first_pass"] = holes.as_dict()
     return stats
 
 

@@ -26,7 +26,8 @@ The speculators here are those classes:
 * with ``draft_tree`` (``specx_eagle3`` / ``specx_eagle`` / ``specx_mtp``) the rest of the
   round is V1's head-tree round (:class:`~.eagle_tree_proposer.EagleTreeRound`: one pass
   per depth over every node fed so far, ancestor masks, RoPE position ``P + depth``) over
-  the same lookahead passes, and the runner's V2 tree step verifies the trees.
+  the same lookahead passes, and the runner's V2 tree step verifies the trees; with cost
+  control a round whose depth is chosen 0 skips vLLM's first pass as a chain step does.
 
 Drafts are the argmax (one-hot ``q``), verified by the specx sampler on V2.
 """
@@ -71,8 +72,9 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
     catch_up_pass_tokens = SpecxV2DraftSpeculator.catch_up_pass_tokens
     sampler_reads_draft_probs = SpecxV2DraftSpeculator.sampler_reads_draft_probs
     _no_drafts = SpecxV2DraftSpeculator._no_drafts
-    # A chain step whose plan drafts nothing for anyone skips vLLM's first pass
-    # (HeadKVHoles keeps its inputs and catches the head's KV up; trees never skip).
+    # A step whose plan drafts nothing for anyone (a chain planned at zero, a tree at
+    # depth 0) skips vLLM's first pass (HeadKVHoles keeps its inputs and catches the
+    # head's KV up).
     skips_idle_first_pass = True
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
@@ -157,19 +159,18 @@ class _ChainOverTargetDependentAR(EagleRoundHooks):
         batch = V2Batch(num_reqs, input_batch.idx_mapping[:num_reqs],
                         self.block_tables.block_tables[self._draft_group()].gpu[
                             input_batch.idx_mapping[:num_reqs]])
-        plan = None
-        if tree_state is None:
-            # A chain round plans before the first pass, as on V1 (cost control: the pass
-            # is the round's; None without it), and a step where nobody drafts skips it.
-            def keep(rejected: np.ndarray) -> None:
-                self._keep_first_pass_inputs(input_batch, last_hidden_states,
-                                             aux_hidden_states, num_sampled, last_sampled,
-                                             next_prefill_tokens, rejected)
+        # The round plans before the first pass, as on V1 (cost control: the pass is the
+        # round's; None without it): a chain's lengths, a tree's depth. A step where
+        # nobody drafts skips the pass.
+        def keep(rejected: np.ndarray) -> None:
+            self._keep_first_pass_inputs(input_batch, last_hidden_states,
+                                         aux_hidden_states, num_sampled, last_sampled,
+                                         next_prefill_tokens, rejected)
 
-            plan, skipped = self.plan_or_skip_first_pass(
-                input_batch, k, req_ids, num_rejected, batch, keep)
-            if skipped:
-                return self._no_drafts(input_batch, num_reqs)
+        plan, skipped = self.plan_or_skip_first_pass(
+            input_batch, k, req_ids, num_rejected, batch, keep)
+        if skipped:
+            return self._no_drafts(input_batch, num_reqs)
         self._catch_first_pass = True
         try:
             super().propose(*args, num_speculative_tokens=1, **kwargs)
