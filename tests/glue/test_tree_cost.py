@@ -105,6 +105,12 @@ def test_retired_requests_keep_no_node_and_a_batch_of_them_drafts_no_depth():
     keep = control.prune(["a", "b"], [parents, parents], [logq, logq], 2, 4, retired={"b"})
     assert keep[0].all() and not keep[1].any()
     assert control.stats.kept_nodes == 5
+    # What each depth was worth is learnt per request that may draft: as for "a" alone.
+    alone = TreeCostControl()
+    alone.fixed_costs = control.fixed_costs
+    alone.prune(["a"], [parents], [logq], 2, 4)
+    assert control._depth_value == alone._depth_value
+    assert control._depth_nodes == alone._depth_nodes
     assert [control.choose_depth(0, 3) for _ in range(3 * PROBE_EVERY)] == [0] * 3 * PROBE_EVERY
 
 

@@ -144,8 +144,7 @@ class TreeCostControl:
             # of zeros) still must not be verified from a head KV with holes.
             keep = [np.zeros_like(k) if rid in retired else k
                     for rid, k in zip(req_ids, budget.keep)]
-            budget = replace(budget, keep=keep,
-                                         total_nodes=int(sum(k.sum() for k in keep)))
+            budget = replace(budget, keep=keep, total_nodes=int(sum(k.sum() for k in keep)))
         self._last = {}
         for rid, keep, qq in zip(req_ids, budget.keep, q):
             self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
@@ -154,7 +153,11 @@ class TreeCostControl:
             self._probing = False
             self.probe_every = (PROBE_EVERY if budget.total_nodes else
                                 min(2 * self.probe_every, MAX_PROBE_EVERY))
-        self._learn_depths(par, values, budget.keep)
+        # Per request that may draft: choose_depth scales by those (a retired request's
+        # zero values would otherwise dilute what a depth is worth to the others).
+        active = sum(rid not in retired for rid in req_ids) if retired else len(par)
+        if active:
+            self._learn_depths(par, values, budget.keep, active)
         s = self.stats
         s.rounds += 1
         s.all_zero_rounds += budget.total_nodes == 0
@@ -166,8 +169,7 @@ class TreeCostControl:
         return budget.keep
 
     def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
-                      keep: list[np.ndarray]) -> None:
-        num_reqs = max(len(parents), 1)
+                      keep: list[np.ndarray], num_reqs: int) -> None:
         deepest = max((int(node_depths(p).max()) for p in parents if len(p)), default=0)
         value = np.zeros(deepest)
         nodes = np.zeros(deepest)
