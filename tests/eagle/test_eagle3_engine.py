@@ -232,6 +232,10 @@ def runs(target: str, eagle3_head: str,
         # its KV is caught up after tree steps as after chain steps.
         out["tree_idle"] = run_idle_steps(llm, drafter, K, prompts["short"],
                                           greedy(NEW_TOKENS), tree=True)
+        # Holes bounded at 3 positions: a step that would pass it runs its first pass and
+        # the round chooses its depth after it, as before the skip existed.
+        out["tree_idle_bounded"] = run_idle_steps(llm, drafter, K, prompts["short"],
+                                                  greedy(NEW_TOKENS), max_hole=3, tree=True)
         drafter.settings = {**drafter.settings, "cost_control": False,
                             "draft_tree": {"paths": STATIC_PATHS}}
         # Each round also drafts the argmax chain over the same first pass (the chain
@@ -291,6 +295,11 @@ def test_tree_rounds_of_depth_zero_skip_the_heads_first_pass_and_catch_its_kv_up
     check_idle_steps(idle, runs["plain_short"])
     # Trees, not chains: some round drafted more nodes than the tree's depth.
     assert max(len(d) for _, drafts in idle["skip_rounds"] for d in drafts) > 4
+    # A bounded hole: some steps were not allowed to skip, the trees are the same.
+    bounded = runs["tree_idle_bounded"]
+    check_idle_steps(bounded, runs["plain_short"])
+    assert bounded["holes"]["refused_skips"] > 0
+    assert bounded["holes"]["skipped_first_passes"] < idle["holes"]["skipped_first_passes"]
 
 
 def test_a_request_idle_for_long_retires_from_drafting_and_output_is_unchanged(runs):
