@@ -56,13 +56,20 @@ def test_acceptance_scale_follows_accepted_paths():
     assert control.scale == 0.25
 
 
-def test_depth_follows_what_deeper_depths_were_worth():
+def _control_after_a_full_depth_round(costs: StepCosts) -> TreeCostControl:
+    """A tree control with the fixed cost model ``costs`` whose first round, at the full
+    depth (nothing measured yet), pruned :func:`_tree` for request "a"."""
     parents, logq = _tree()
     control = TreeCostControl()
-    # A head pass costs as much as a whole step: only depth 1 pays once measured.
-    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 1.0, 0.0)
+    control.fixed_costs = costs
     assert control.choose_depth(1, 3) == 3  # nothing measured yet: the full depth
     control.prune(["a"], [parents], [logq], 2, 2)
+    return control
+
+
+def test_depth_follows_what_deeper_depths_were_worth():
+    # A head pass costs as much as a whole step: only depth 1 pays once measured.
+    control = _control_after_a_full_depth_round(StepCosts(0.0, 1.0, 0.01, 1.0, 0.0))
     depths = [control.choose_depth(1, 3) for _ in range(2 * PROBE_EVERY)]
     assert depths.count(1) >= 2 * PROBE_EVERY - 2 and 3 in depths  # with full-depth probes
     control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)  # free passes: full depth
@@ -75,17 +82,13 @@ def test_full_depth_probes_back_off_while_they_keep_nothing():
     # probe that keeps a node (cheap nodes again) brings the usual 8 back. Reference: the
     # rounds at which a probe is due, written out.
     parents, logq = _tree()
-    control = TreeCostControl()
-    control.fixed_costs = StepCosts(0.0, 1.0, 10.0, 1.0, 0.0)
-    assert control.choose_depth(1, 3) == 3  # nothing measured yet: the full depth
-    control.prune(["a"], [parents], [logq], 2, 2)
-    probes, waits = [], []
+    control = _control_after_a_full_depth_round(StepCosts(0.0, 1.0, 10.0, 1.0, 0.0))
+    probes = []
     for i in range(1, 8 + 16 + 32 + 64 + 64 + 1):
         depth = control.choose_depth(1, 3)
         if depth:
             probes.append(i)
             assert depth == 3 and not control.prune(["a"], [parents], [logq], 2, 2)[0].any()
-        waits.append(control.probe_every)
     assert probes == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 64, 8 + 16 + 32 + 64 + 64]
     assert control.probe_every == MAX_PROBE_EVERY == 64
     control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 1.0, 0.0)  # nodes pay again
@@ -118,10 +121,8 @@ def test_depth_zero_chosen_before_the_first_pass_pays_the_skip_debt():
     # Before the first pass (which depth 0 then skips) depth 0 also costs what a skipped
     # pass leaves to a catch-up: a debt that makes a plain step dearer than drafting tips
     # the choice to depth 1; after the first pass (paid either way) it does not count.
-    parents, logq = _tree()
-    control = TreeCostControl()
-    control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2)
-    control.prune(["a"], [parents], [logq], 2, 2)
+    control = _control_after_a_full_depth_round(
+        StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2))
     assert control.choose_depth(1, 3) == 0
     control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2, skip_debt=2.0)
     assert control.choose_depth(1, 3, skips_first_pass=True) == 1

@@ -60,6 +60,7 @@ vLLM private names relied on (beyond ``draft_passes.py``'s): the proposer's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,12 @@ class EagleTreeRound:
         holes = getattr(self, "_kv_holes", None)
         return holes.retired if holes is not None else ()
 
+    def _may_draft(self, req_ids: Sequence[str]) -> int:
+        """How many of ``req_ids`` may draft (not :meth:`_retired`): what the tree
+        control's depth choice weighs."""
+        retired = self._retired()
+        return sum(rid not in retired for rid in req_ids)
+
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
         target_tokens: int,
@@ -164,13 +171,11 @@ class EagleTreeRound:
         if control is None:
             return None
         control.begin(req_ids, num_rejected, target_tokens)
-        retired = self._retired()
-        active = sum(rid not in retired for rid in req_ids)
-        depth = control.choose_depth(active, int(shape["max_depth"]), skips_first_pass=True)
+        depth = control.choose_depth(self._may_draft(req_ids), int(shape["max_depth"]),
+                                     skips_first_pass=True)
         if depth > 0:
             return TreeRoundPlan(depth, skip_first_pass=False)
         control.skipped(req_ids)
-        control.end(0, 0, drafted=False)
         empty = [torch.empty(0, dtype=torch.int64) for _ in req_ids]
         self.tree_state.record_round(list(req_ids), empty, empty)
         self.stats.record([0] * len(req_ids), k, 0, 0, 0)  # type: ignore[attr-defined]
@@ -207,12 +212,11 @@ class EagleTreeRound:
         req_ids = list(start.req_ids if start.req_ids is not None
                        else runner.input_batch.req_ids[:num_reqs])
         depth = int(shape.get("max_depth", 0)) if "paths" not in shape else 0
-        retired = self._retired()
         if control is not None:
             # The head passes are paid before the tree exists: their number is chosen
             # from what the last rounds' pruned trees were worth per depth.
             depth = plan.depth if plan is not None else control.choose_depth(
-                sum(rid not in retired for rid in req_ids), depth)
+                self._may_draft(req_ids), depth)
         if "paths" in shape:
             tokens, parents = tree.static(root_lp, shape["paths"])
         elif depth == 0:
@@ -225,12 +229,11 @@ class EagleTreeRound:
             live = runner.req_states.req_id_to_index
         if control is not None and depth == 0:
             control.skipped(req_ids)
-            control.end(0, 0, drafted=False)
         elif control is not None:
             # Keep per request the nodes that pay at the measured costs (glue/tree_cost.py);
             # the head's passes are paid already. Zero nodes: the request verifies nothing.
             keep = control.prune(req_ids, parents, tree.node_logq, tree.passes, tree.rows,
-                                 retired=retired)
+                                 retired=self._retired())
             cut = [apply_keep(t, p, k) for t, p, k in zip(tokens, parents, keep)]
             tokens, parents = [c[0] for c in cut], [c[1] for c in cut]
             control.end(tree.passes, tree.rows)

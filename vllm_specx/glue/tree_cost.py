@@ -222,12 +222,14 @@ class TreeCostControl:
         return depth
 
     def skipped(self, req_ids: Sequence[str]) -> None:
-        """A round that drafted nothing (depth 0): its step verifies no node."""
+        """A round that drafted nothing (depth 0): its step verifies no node; the round
+        ends here (timed as one that did not draft)."""
         self._last = {rid: (0, 0.0) for rid in req_ids}
         self._last_total = 0
         self.stats.rounds += 1
         self.stats.all_zero_rounds += 1
         self.stats.kept_histogram[0] = self.stats.kept_histogram.get(0, 0) + len(req_ids)
+        self.end(0, 0, drafted=False)
 
     def unpruned(self) -> None:
         """A round the control does not prune (after :meth:`begin`): neither it nor the
