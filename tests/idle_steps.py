@@ -69,7 +69,8 @@ class ScriptedTreeDepths:
     def __init__(self) -> None:
         self.step = 0
 
-    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False,
+                 catch_up_due: bool = False) -> int:
         self.step += 1
         idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
         return 0 if idle or num_reqs == 0 else max_depth

@@ -75,6 +75,11 @@ class StepCosts:
     ``skip_debt``: per request, what a step where nobody drafts leaves to be paid later
     (a drafter that skips its first pass then catches the draft KV of that position up in
     a later pass): skipping the first pass saves ``draft_round`` less this, per request.
+    ``skip_fixed``: what such a step commits once, beyond ``skip_debt`` per request: its
+    share of the fixed part of the catch-up pass it leaves (the pass spread over the run
+    of skipped steps it starts). Zero where a request of the batch already has a hole
+    waiting for its catch-up (one more skipped step adds positions to that pass, not a
+    pass): the caller knows which (``CostControl``).
     """
 
     target_base: float
@@ -86,6 +91,7 @@ class StepCosts:
     draft_round: float = 0.0
     verify_fixed: float = 0.0
     skip_debt: float = 0.0
+    skip_fixed: float = 0.0
 
     def target(self, num_reqs: int, draft_tokens: np.ndarray | int) -> np.ndarray | float:
         return (self.target_base + self.target_per_request * num_reqs
@@ -104,7 +110,7 @@ class StepCosts:
         if any(lengths):
             total += self.draft_round
         else:
-            total += self.skip_debt * len(lengths)
+            total += self.skip_debt * len(lengths) + self.skip_fixed
         for depth in range(1, max(lengths, default=0)):
             rows = sum(wr for n, wr in zip(lengths, w) if n > depth)
             total += self.draft_pass + self.draft_row * rows
@@ -159,7 +165,8 @@ def _best_for_lambda(
     cost = costs.target(num_reqs, count) + costs.draft_pass * (m - 1) + costs.draft_round
     objective = np.where(in_m, gain - lam * cost, -np.inf)
     # S = 0: nobody drafts (and the skipped first pass is caught up later)
-    zero = -lam * (float(costs.target(num_reqs, 0)) + costs.skip_debt * num_reqs)
+    zero = -lam * (float(costs.target(num_reqs, 0)) + costs.skip_debt * num_reqs
+                   + costs.skip_fixed)
     mi, j = np.unravel_index(int(np.argmax(objective)), objective.shape)
     if objective[mi, j] <= zero:
         return best
@@ -196,6 +203,9 @@ def choose_draft_lengths(
         np.asarray(widths, dtype=np.float64), (num_reqs,))
     lengths = np.zeros(num_reqs, dtype=np.int64)
     plain = costs.step_time(lengths, w)
+    if num_reqs == 1 and plain > 0.0 and np.isfinite(plain):
+        return _choose_one_length(g[0], int(cap[0]), costs,
+                                  1.0 if w is None else float(w[0]), min_gain)
     if not (plain > 0.0 and np.isfinite(plain)):
         # No rate without a positive step time: a plain step (nobody drafts) is always
         # safe, and an engine must not die of a cost model's fault.
@@ -215,6 +225,32 @@ def choose_draft_lengths(
         lengths, rate = np.zeros(num_reqs, dtype=np.int64), plain_rate
     return LengthChoice(lengths, rate, expected_tokens(g, lengths),
                         costs.step_time(lengths, w))
+
+
+def _choose_one_length(gains: np.ndarray, cap: int, costs: StepCosts, width: float,
+                       min_gain: float) -> LengthChoice:
+    """:func:`choose_draft_lengths` for one request: every length ``0..cap`` priced by
+    the module doc's formulas, the best rate ``E(L) / C(L)`` kept (ties: the shorter).
+    Batch 1 is every step of a single-user server, where the general search's array
+    set-up cost more than the search itself; a few floats in a loop cost ~5 us."""
+    base = costs.fixed + costs.target_base + costs.target_per_request
+    per_pass = costs.draft_pass + costs.draft_row * width
+    tokens = 1.0
+    time = base + costs.skip_debt + costs.skip_fixed
+    plain_rate = best_rate = tokens / time if time > 0.0 else 0.0
+    best = (0, best_rate, tokens, time)
+    for n, g in enumerate(gains[:cap].tolist(), start=1):
+        tokens += g
+        time = (base + costs.target_per_token * n + costs.draft_round
+                + (n - 1) * per_pass)
+        rate = tokens / time if time > 0.0 else 0.0
+        if rate > best_rate:
+            best_rate, best = rate, (n, rate, tokens, time)
+    if best[0] > 0 and not best_rate > plain_rate * (1.0 + min_gain):
+        best = (0, plain_rate, 1.0, base + costs.skip_debt + costs.skip_fixed)
+    n, rate, tokens, time = best
+    return LengthChoice(np.array([n], dtype=np.int64), float(rate), float(tokens),
+                        float(time))
 
 
 class AcceptanceHistory:
@@ -496,15 +532,26 @@ class ConfidenceCalibration:
         round did not read one; None: nothing known) and how many of them were accepted."""
         self.tried *= self.decay
         self.accepted *= self.decay
+        # Every request's judged tokens in one flat array, counted in one pass per table
+        # (a loop over the requests cost ~25 us each, every drafting step).
+        judged_confs: list[float] = []
+        hits: list[bool] = []
         for confs, n in zip(confidences, accepted):
             if not confs:
                 continue
-            c = np.asarray(confs, dtype=np.float64)[: int(n) + 1]
-            judged = ~np.isnan(c)
-            hit = (np.arange(c.size) < int(n))[judged]
-            b = self.bins(c[judged])
-            np.add.at(self.tried, b, 1.0)
-            np.add.at(self.accepted, b, hit.astype(np.float64))
+            n = int(n)
+            head = list(confs[: n + 1])
+            judged_confs += head
+            hits += [i < n for i in range(len(head))]
+        if not judged_confs:
+            return
+        c = np.asarray(judged_confs, dtype=np.float64)
+        judged = ~np.isnan(c)
+        b = self.bins(c[judged])
+        size = self.prior.size
+        self.tried += np.bincount(b, minlength=size)
+        self.accepted += np.bincount(b, weights=np.asarray(hits, dtype=np.float64)[judged],
+                                     minlength=size)
 
     def device_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(edges, table)`` as float32 tensors on ``device``, for :class:`CostStop`."""
