@@ -734,3 +734,29 @@ def test_requests_arriving_where_no_sure_token_pays_retire_on_arrival():
         control.plan_depths(("a", "b"), 4, 1)
     holes.admit(drafter, ("a", "b", "g"))
     assert "g" in holes.retired and holes.retired_on_arrival == 3
+
+
+def test_a_fit_solved_every_few_steps_is_the_every_step_fit_at_those_steps():
+    # The engine's controls solve their fits every REFIT_EVERY observations (the solve is
+    # the plan's dearest part in a running engine): between solves the last solution is
+    # read; at a solve it is exactly the fit of every observation so far.
+    from vllm_specx.glue.cost_model import REFIT_EVERY, _Regression
+
+    every, sparse = _Regression(4), _Regression(4, refit_every=REFIT_EVERY)
+    prior = np.array([1.0, 0.1, 0.1, 0.1])
+    rng = np.random.default_rng(3)
+    seen, last = [], prior
+    for step in range(1, 4 * REFIT_EVERY + 1):
+        x = np.array([1.0, rng.integers(1, 9), rng.integers(0, 5), 1.0])
+        y = float(x @ np.array([2.0, 0.3, 0.5, 0.1]) + rng.normal(0, 0.01))
+        every.observe(x, y)
+        sparse.observe(x, y)
+        got = sparse.theta(prior).copy()
+        if step == 1 or step % REFIT_EVERY == 1:
+            assert np.allclose(got, every.theta(prior))  # solved at this step
+            seen.append(step)
+        else:
+            assert np.array_equal(got, last)  # the last solution, not re-solved
+            assert not np.allclose(got, every.theta(prior))
+        last = got
+    assert len(seen) == 4

@@ -88,6 +88,9 @@ RECENT_UNITS = 33
 CATCH_UP_DECAY = 0.99  # the catch-ups' cost per position follows about the last 100
 FIRST_STEPS = 3  # held until their median can tell an outlier among them
 OUTLIERS_IN_A_ROW = 4  # this many in a row are not outliers: the steps changed
+# A drafter's fits are solved every this many steps (a ~100-step window moves little in
+# four): in a running engine each solve cost ~130 us of a batch-1 step's host time.
+REFIT_EVERY = 4
 
 
 def cost_control_applies(proposer: Any) -> bool:
@@ -114,7 +117,8 @@ def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
             max(int(configured), k_max), clock=engine_step_clock(),
             # Requests whose draft KV upkeep stopped (DraftKVHoles.retired): never drafted.
             retired=lambda: getattr(getattr(proposer, "_kv_holes", None), "retired", ()),
-            catch_up_due=lambda req_ids: catch_up_due(proposer, req_ids))
+            catch_up_due=lambda req_ids: catch_up_due(proposer, req_ids),
+            refit_every=REFIT_EVERY)
     return proposer._cost_control
 
 
@@ -217,8 +221,13 @@ def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray,
 class _Regression:
     """Least squares ``y ~ x . theta`` with forgetting over fixed prior pseudo-points."""
 
-    def __init__(self, dims: int) -> None:
+    def __init__(self, dims: int, refit_every: int = 1) -> None:
         self.dims = dims
+        # Observations between two solves (1: every one). The plan reads the fit every
+        # step, and in a running engine the solve cost ~130 us a regression where it
+        # costs ~30 in a loop on its own (caches cold after the target's forward).
+        self.refit_every = max(int(refit_every), 1)
+        self._solved_at = 0
         self.prior_a = np.zeros((dims, dims))
         self.prior_b = np.zeros(dims)
         self.a = np.zeros((dims, dims))
@@ -240,13 +249,13 @@ class _Regression:
         self.a = FORGETTING * self.a + np.outer(x, x)
         self.b = FORGETTING * self.b + x * y
         self.count += 1
-        self._theta = None
 
     def theta(self, fallback: np.ndarray) -> np.ndarray:
         if self.count == 0:
             return fallback  # nothing measured yet: the prior itself
-        if self._theta is not None:
+        if self._theta is not None and self.count - self._solved_at < self.refit_every:
             return self._theta
+        self._solved_at = self.count
         a = self.a + self.prior_a + self._ridge
         self._theta = _nonnegative_least_squares(a, self.b + self.prior_b, self._free)
         self._free = self._theta > 0
@@ -276,10 +285,12 @@ def _unit(x: np.ndarray, seconds: float) -> float:
 class MeasuredCosts:
     """The step cost model measured from the engine's own steps (see the module doc)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 refit_every: int = 1) -> None:
         self.clock = clock
-        self.target = _Regression(4)  # [1, B, S, S > 0]
-        self.round = _Regression(4)  # [1, anyone drafts, passes, rows]
+        # refit_every: steps between two solves of each fit (see _Regression).
+        self.target = _Regression(4, refit_every)  # [1, B, S, S > 0]
+        self.round = _Regression(4, refit_every)  # [1, anyone drafts, passes, rows]
         self.scale: float | None = None  # seconds per relative unit: the median step's
         self._units: deque[float] = deque(maxlen=RECENT_UNITS)
         self._first: list[tuple[np.ndarray, float]] = []  # the first steps, held
@@ -635,14 +646,15 @@ class CostControl:
 
     def __init__(self, k_max: int, clock: Callable[[], float] = time.perf_counter,
                  retired: Callable[[], Container[str]] | None = None,
-                 catch_up_due: Callable[[Sequence[str]], bool] | None = None) -> None:
+                 catch_up_due: Callable[[Sequence[str]], bool] | None = None,
+                 refit_every: int = 1) -> None:
         self.k_max = k_max
         # The requests that must draft nothing (their draft KV has gaps): planned zero.
         self.retired = retired
         # Whether a batch's skipped first passes already wait for a catch-up pass: a
         # skipped step then commits no pass of its own (StepCosts.skip_fixed).
         self.catch_up_due = catch_up_due
-        self.costs = MeasuredCosts(clock)
+        self.costs = MeasuredCosts(clock, refit_every)
         self.history = AcceptanceHistory(k_max)
         # A fixed model (tests, or a user who measured theirs): used instead of the
         # measured one; measuring goes on.

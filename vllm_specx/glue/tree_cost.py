@@ -40,7 +40,12 @@ from vllm_specx.algorithms.tree_budget import (
     step_costs_paid,
     step_costs_target,
 )
-from vllm_specx.glue.cost_model import MeasuredCosts, cost_control_applies, engine_step_clock
+from vllm_specx.glue.cost_model import (
+    REFIT_EVERY,
+    MeasuredCosts,
+    cost_control_applies,
+    engine_step_clock,
+)
 
 SCALE_BOUNDS = (0.25, 2.0)
 SCALE_FORGETTING = 0.98  # per request-step: ~50 request-steps
@@ -72,8 +77,9 @@ class TreeCostStats:
 class TreeCostControl:
     """Per-round pruning of a tree drafter's trees (see the module doc)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.costs = MeasuredCosts(clock)
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 refit_every: int = 1) -> None:
+        self.costs = MeasuredCosts(clock, refit_every)
         self.fixed_costs: StepCosts | None = None  # tests: used instead of the measured
         self.stats = TreeCostStats()
         self._accepted = 0.0  # forgetting sums of accepted path lengths ...
@@ -300,5 +306,6 @@ def tree_cost_control_for(proposer: Any) -> TreeCostControl | None:
         return None
     control = getattr(proposer, "_tree_cost", None)
     if control is None:
-        control = proposer._tree_cost = TreeCostControl(clock=engine_step_clock())
+        control = proposer._tree_cost = TreeCostControl(clock=engine_step_clock(),
+                                                          refit_every=REFIT_EVERY)
     return control
