@@ -12,8 +12,6 @@ from typing import Any
 import numpy as np
 from engine_requests import counter, generate, output_ids
 
-from vllm_specx.glue.cost_model import catch_up_due
-
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
@@ -71,8 +69,7 @@ class ScriptedTreeDepths:
     def __init__(self) -> None:
         self.step = 0
 
-    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False,
-                 catch_up_due: bool = False) -> int:
+    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
         self.step += 1
         idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
         return 0 if idle or num_reqs == 0 else max_depth
@@ -110,15 +107,6 @@ def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return ids, [[int(t) for t in d] for d in drafts]
 
 
-def _batch_ids(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-    """The request ids of a ``propose`` call's batch, before it runs (V2: the batch it
-    is handed; V1: the runner's)."""
-    batch = kwargs.get("input_batch", args[0] if args else None)
-    if hasattr(batch, "req_ids"):
-        return list(batch.req_ids)
-    return list(drafter.runner.input_batch.req_ids)
-
-
 def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, max_hole: int | None = None,
                    fresh_prefix_cache: bool = False, tree: bool = False) -> dict[str, Any]:
@@ -140,16 +128,10 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     original = drafter.propose
     rounds: list[tuple[list[str], list[list[int]]]] = []
 
-    dues: list[bool] = []
-
     def propose(*args: Any, **kwargs: Any) -> Any:
-        # Before the step: whether the cost control would see a catch-up due for the
-        # batch (what decides if a skip is charged a catch-up pass's fixed part).
-        due = catch_up_due(drafter, _batch_ids(drafter, args, kwargs))
         drafts = original(*args, **kwargs)
         if not kwargs.get("dummy_run"):  # V2 warms its speculator up through propose
             rounds.append(_drafted(drafter, args, kwargs, drafts))
-            dues.append(due)
         return drafts
 
     original_round = drafter.draft_round
@@ -186,7 +168,6 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
             if not skip:
                 drafter.skips_idle_first_pass = False
             rounds.clear()
-            dues.clear()
             first_passes.clear()
             if fresh_prefix_cache:
                 llm.reset_prefix_cache()
@@ -197,7 +178,6 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
             out[name + "_rounds"] = [([int(str(i).rsplit("-", 1)[0]) - first for i in ids], d)
                                      for ids, d in rounds]
             out[name + "_first_passes"] = list(first_passes)
-            out[name + "_catch_up_due"] = list(dues)
             if skip:
                 out["holes"] = dict(holes.as_dict())
     finally:
@@ -245,16 +225,6 @@ def check_idle_steps(idle: dict[str, Any], plain: list[list[int]]) -> None:
     # over stale KV (on V2's held-out requests it did: the first passes then differed by
     # 0.4-0.5% with no catch-up or with zeroed hidden states fed to it; 0.0 caught up).
     assert first_pass_gap(idle) <= 1e-5
-    # The cost control sees a catch-up due after a step that skipped (a step with no
-    # drafts may still have run its first pass: a hole bounded by max_hole), and never
-    # after one that drafted (its first pass caught the batch's holes up first).
-    dues = idle["skip_catch_up_due"]
-    assert len(dues) == len(skip) and not any(idle["no_skip_catch_up_due"])
-    # Same requests (Model Runner V2 reorders its batch between steps).
-    same = [t for t in range(1, len(skip)) if sorted(skip[t - 1][0]) == sorted(skip[t][0])]
-    after_skip = [dues[t] for t in same if not any(skip[t - 1][1])]
-    after_draft = [dues[t] for t in same if any(skip[t - 1][1])]
-    assert any(after_skip) and after_draft and not any(after_draft)
     drafted, accepted = idle["skip_counts"]
     assert drafted > 0 and accepted > 0
     assert idle["skip_counts"] == idle["no_skip_counts"]

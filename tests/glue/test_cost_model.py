@@ -5,17 +5,12 @@ acceptance from the rejected counts and plans zero for a request whose drafts fa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from vllm_specx.algorithms.draft_length import (
-    AcceptanceHistory,
-    StepCosts,
-    choose_draft_lengths,
-)
+from vllm_specx.algorithms.draft_length import StepCosts, choose_draft_lengths
 from vllm_specx.algorithms.draft_stop import AlwaysContinue, ConfidenceStop
 from vllm_specx.glue.cost_model import CostControl, MeasuredCosts, probe_could_pay
 
@@ -282,8 +277,8 @@ def test_bench_report_prints_the_cost_model():
         {"configs": [{"name": "adaptive cc", "method": "adaptive",
                       "drafter_stats": {"cost_control": control.describe()}}]}).splitlines()
         if x.startswith("- cost control of adaptive cc"))
-    assert ("0.200 ms per request to catch up a skipped first pass + 3.000 ms a catch-up "
-            "pass, spread over runs of 1.0 skipped steps") in line
+    assert ("0.200 ms per request to catch up a skipped first pass (a catch-up pass: 3.000 "
+            "ms fixed, not charged)") in line
     stats = {**control.describe(),
              "idle_first_pass": {"retired_requests": 7, "retire_after": 48}}
     report["configs"][0]["drafter_stats"]["cost_control"] = stats
@@ -613,20 +608,9 @@ def test_the_skip_debt_is_a_catch_ups_cost_per_position_not_its_passes():
         model.exclude(0.003 + 0.0002 * positions, positions=positions)
     assert model.step_costs().skip_debt == pytest.approx(0.0002, rel=1e-6)
     assert model.catch_up_seconds / model.catch_up_positions > 0.0005
-    # ... and the pass's fixed part is what a first skip commits (StepCosts.skip_fixed),
-    # spread over the steps a run of skips lasts (none seen yet: one).
-    assert model.step_costs().skip_fixed == pytest.approx(0.003, rel=1e-6)
-    assert model.describe()["round_ms"]["skip_pass"] == pytest.approx(3.0, rel=1e-6)
-    for _ in range(300):  # runs of four skipped rounds, each ended by a drafting one
-        for drafted in (False, False, False, False, True):
-            model.round_ends(drafted, 0, 0)
-    assert 3.9 < model.expected_skip_run() < 4.0
-    assert model.step_costs().skip_fixed == pytest.approx(0.003 / model.expected_skip_run())
-    # A run that has not finished counts as long as it has lasted.
-    for _ in range(1000):
-        model.round_ends(False, 0, 0)
-    assert model.expected_skip_run() > 10.0
-    assert model.describe()["round_ms"]["skip_pass"] == pytest.approx(3.0, rel=1e-6)
+    # ... and the pass's fixed part (the fit's intercept) is reported, not charged.
+    assert model.skip_prices() == pytest.approx((0.0002, 0.003), rel=1e-6)
+    assert model.describe()["round_ms"]["catch_up_pass"] == pytest.approx(3.0, rel=1e-6)
     # Passes all of one size say nothing of the slope: the average, as before, and no
     # fixed part.
     same, _ = _started()
@@ -636,38 +620,6 @@ def test_the_skip_debt_is_a_catch_ups_cost_per_position_not_its_passes():
     # ... unless a lookahead row is known to cost less: a catch-up's rows are such rows,
     # and the rest of a pass is its fixed part.
     assert same.skip_prices(row_cost=0.0002) == pytest.approx((0.0002, 0.0024))
-
-
-def test_a_first_skip_pays_the_catch_up_pass_and_later_skips_only_positions():
-    # One request drafting one token at 0.1 acceptance: 1.1 tokens for 1.12 against 1
-    # token for 1 + 0.01 (later skips: a catch-up pass is due already) or 1.11 (a first
-    # skip, which commits a pass of its own: 0.1 fixed).
-    due: list[bool] = [False]
-    control = CostControl(1, catch_up_due=lambda req_ids: due[0] and "a" in req_ids)
-    control.fixed_costs = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=0.12,
-                                    skip_debt=0.01, skip_fixed=0.1)
-    control.history = AcceptanceHistory(1, prior=0.1, prior_weight=1e9)
-    rule, cpu = ConfidenceStop(0.0, max_tokens=1), torch.device("cpu")
-    assert control.plan(("a",), 1, rule, cpu).caps.tolist() == [1]
-    due[0] = True
-    assert control.plan(("a",), 1, rule, cpu).caps.tolist() == [0]
-    # Whether a lone sure token pays is judged without the pass (as for probes): 2 tokens
-    # for 1.01 + 2 against 1 for 1.01 does not pay, though it would against 1.01 + 1.5.
-    due[0] = False
-    control.fixed_costs = StepCosts(1.0, 0.0, 0.0, 0.0, 0.0, draft_round=2.0, skip_debt=0.01)
-    assert not control.sure_token_pays(1)
-    control.fixed_costs = replace(control.fixed_costs, skip_fixed=1.5)
-    assert not control.sure_token_pays(1)
-
-
-def test_draft_kv_holes_say_when_a_catch_up_is_due():
-    from vllm_specx.glue.draft_passes import DraftKVHoles
-
-    holes = DraftKVHoles(block_size=16, prefix_caching=False)
-    assert not holes.catch_up_due(("a", "b"))
-    holes.skip(None, None, ("a",), np.array([5]), np.array([1]), np.array([6]),
-               np.zeros((1, 8), dtype=np.int64))
-    assert holes.catch_up_due(("a", "b")) and not holes.catch_up_due(("b",))
 
 
 def test_a_sure_token_pays_exactly_where_its_step_beats_the_plain_step():

@@ -127,11 +127,6 @@ def test_depth_zero_chosen_before_the_first_pass_pays_the_skip_debt():
     control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2, skip_debt=2.0)
     assert control.choose_depth(1, 3, skips_first_pass=True) == 1
     assert control.choose_depth(1, 3) == 0
-    # The catch-up pass's fixed part is a first skip's alone: where a catch-up is due
-    # already, depth 0 adds positions to it, not a pass.
-    control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2, skip_fixed=2.0)
-    assert control.choose_depth(1, 3, skips_first_pass=True) == 1
-    assert control.choose_depth(1, 3, skips_first_pass=True, catch_up_due=True) == 0
 
 
 def test_bench_report_prints_what_the_tree_control_kept():

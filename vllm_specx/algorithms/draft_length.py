@@ -75,11 +75,6 @@ class StepCosts:
     ``skip_debt``: per request, what a step where nobody drafts leaves to be paid later
     (a drafter that skips its first pass then catches the draft KV of that position up in
     a later pass): skipping the first pass saves ``draft_round`` less this, per request.
-    ``skip_fixed``: what such a step commits once, beyond ``skip_debt`` per request: its
-    share of the fixed part of the catch-up pass it leaves (the pass spread over the run
-    of skipped steps it starts). Zero where a request of the batch already has a hole
-    waiting for its catch-up (one more skipped step adds positions to that pass, not a
-    pass): the caller knows which (``CostControl``).
     """
 
     target_base: float
@@ -91,7 +86,6 @@ class StepCosts:
     draft_round: float = 0.0
     verify_fixed: float = 0.0
     skip_debt: float = 0.0
-    skip_fixed: float = 0.0
 
     def target(self, num_reqs: int, draft_tokens: np.ndarray | int) -> np.ndarray | float:
         return (self.target_base + self.target_per_request * num_reqs
@@ -110,7 +104,7 @@ class StepCosts:
         if any(lengths):
             total += self.draft_round
         else:
-            total += self.skip_debt * len(lengths) + self.skip_fixed
+            total += self.skip_debt * len(lengths)
         for depth in range(1, max(lengths, default=0)):
             rows = sum(wr for n, wr in zip(lengths, w) if n > depth)
             total += self.draft_pass + self.draft_row * rows
@@ -165,8 +159,7 @@ def _best_for_lambda(
     cost = costs.target(num_reqs, count) + costs.draft_pass * (m - 1) + costs.draft_round
     objective = np.where(in_m, gain - lam * cost, -np.inf)
     # S = 0: nobody drafts (and the skipped first pass is caught up later)
-    zero = -lam * (float(costs.target(num_reqs, 0)) + costs.skip_debt * num_reqs
-                   + costs.skip_fixed)
+    zero = -lam * (float(costs.target(num_reqs, 0)) + costs.skip_debt * num_reqs)
     mi, j = np.unravel_index(int(np.argmax(objective)), objective.shape)
     if objective[mi, j] <= zero:
         return best
@@ -236,7 +229,7 @@ def _choose_one_length(gains: np.ndarray, cap: int, costs: StepCosts, width: flo
     base = costs.fixed + costs.target_base + costs.target_per_request
     per_pass = costs.draft_pass + costs.draft_row * width
     tokens = 1.0
-    time = base + costs.skip_debt + costs.skip_fixed
+    time = base + costs.skip_debt
     plain_rate = best_rate = tokens / time if time > 0.0 else 0.0
     best = (0, best_rate, tokens, time)
     for n, g in enumerate(gains[:cap].tolist(), start=1):
@@ -247,7 +240,7 @@ def _choose_one_length(gains: np.ndarray, cap: int, costs: StepCosts, width: flo
         if rate > best_rate:
             best_rate, best = rate, (n, rate, tokens, time)
     if best[0] > 0 and not best_rate > plain_rate * (1.0 + min_gain):
-        best = (0, plain_rate, 1.0, base + costs.skip_debt + costs.skip_fixed)
+        best = (0, plain_rate, 1.0, base + costs.skip_debt)
     n, rate, tokens, time = best
     return LengthChoice(np.array([n], dtype=np.int64), float(rate), float(tokens),
                         float(time))

@@ -270,9 +270,8 @@ def _cost_model_text(model: Any) -> str:
                if r.get("always") is not None else "")
             + (f", {_fmt(r['skip_debt_per_request'], 3)} ms per request to catch up a "
                "skipped first pass" if r.get("skip_debt_per_request") else "")
-            + (f" + {_fmt(r['skip_pass'], 3)} ms a catch-up pass, spread over runs of "
-               f"{_fmt(r.get('skip_run_steps'), 1)} skipped steps" if r.get("skip_pass")
-               else "")
+            + (f" (a catch-up pass: {_fmt(r['catch_up_pass'], 3)} ms fixed, not charged)"
+               if r.get("catch_up_pass") else "")
             + f" ({model.get('source')}, "
             f"{model.get('target_steps_measured')} steps"
             + (f"; {model['not_positive']} intervals measured no time, not used"

@@ -27,7 +27,8 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   above its prior cost is clipped.
 
 Both are least squares with forgetting (about the last 100 steps), solved with every cost
-non-negative (``_nonnegative_least_squares``), over a prior (pseudo-observations next to
+non-negative (``_nonnegative_least_squares``; every :data:`REFIT_EVERY` steps in an
+engine), over a prior (pseudo-observations next to
 the origin with a small constant weight). The prior is relative (a verification
 row costs 5% of a target step, a draft row 1%, ...) and takes its scale from the median
 of the recent steps (the first three held until their median can be taken), so the
@@ -49,7 +50,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -117,16 +118,8 @@ def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
             max(int(configured), k_max), clock=engine_step_clock(),
             # Requests whose draft KV upkeep stopped (DraftKVHoles.retired): never drafted.
             retired=lambda: getattr(getattr(proposer, "_kv_holes", None), "retired", ()),
-            catch_up_due=lambda req_ids: catch_up_due(proposer, req_ids),
             refit_every=REFIT_EVERY)
     return proposer._cost_control
-
-
-def catch_up_due(proposer: Any, req_ids: Sequence[str]) -> bool:
-    """Whether a request of ``req_ids`` has skipped first passes waiting for a catch-up
-    pass (``DraftKVHoles.catch_up_due``; False for a drafter that keeps no holes)."""
-    holes = getattr(proposer, "_kv_holes", None)
-    return holes is not None and holes.catch_up_due(req_ids)
 
 
 def engine_step_clock() -> Callable[[], float]:
@@ -316,12 +309,6 @@ class MeasuredCosts:
         self.catch_up_passes = 0.0
         self.catch_up_positions_sq = 0.0
         self.catch_up_cross = 0.0
-        # Rounds in a row that drafted nothing (the current run of skipped steps), and
-        # the finished runs' decayed total length and count: how many steps a catch-up
-        # pass's fixed part is spread over (StepCosts.skip_fixed).
-        self._skip_run = 0
-        self.skip_run_steps = 0.0
-        self.skip_runs = 0.0
 
     def _prior_target(self) -> np.ndarray:
         return _PRIOR_TARGET * (self.scale or 1.0)
@@ -459,10 +446,9 @@ class MeasuredCosts:
         Per position: the slope of the catch-ups' seconds against the positions they
         wrote, at most the average per position; per pass, the fit's intercept at that
         slope (the catch-ups' mean seconds less the slope times their mean positions, not
-        negative). One more skipped step adds positions to a catch-up already due, and the
-        first skipped step of a run commits a pass (``StepCosts.skip_fixed``: spread over
-        the run's expected length, :meth:`step_costs`, and charged by the plan only where
-        no catch-up is due yet). Where the passes' sizes barely vary
+        negative). The plan charges the first only (``StepCosts.skip_debt``); the second is
+        reported (docs/cost-control.md, "What it does not do": pricing it apart was
+        tried and measured). Where the passes' sizes barely vary
         the slope cannot be told from them: then the average, but no more than
         ``row_cost`` (the round's fitted cost of a lookahead row, a catch-up's rows being
         of that kind) where that is known, and the rest of a pass's mean seconds per pass.
@@ -470,11 +456,7 @@ class MeasuredCosts:
         (the step before drafted) costs nearly a whole draft pass, and at batch 8 on the
         real pair that priced a skipped step at 3.2 ms per request: the plan then drafted
         for some request on 364 of 492 steps to spare it, and ran 0.86x of no speculation
-        where drafting nothing ran about 1.0x (2026-11-26 16:52 UTC). Why the pass apart:
-        priced at the slope alone, runs of skips that each cost ~0 started freely, and
-        each return to drafting paid a catch-up pass nobody had priced (real pair, batch
-        1, T = 0, ``adaptive``, 2026-11-27: a run that priced a skip at ~0 skipped 168 of
-        355 steps and trailed drafting on every step)."""
+        where drafting nothing ran about 1.0x (2026-11-26 16:52 UTC)."""
         if self.catch_up_positions <= 0.0:
             return 0.0, 0.0
         average = self.catch_up_seconds / self.catch_up_positions
@@ -489,23 +471,7 @@ class MeasuredCosts:
             per = float(min(max(slope, 0.0), average))
         return per, max(mean_seconds - per * mean, 0.0)
 
-    def expected_skip_run(self) -> float:
-        """How many steps a run of skipped rounds lasts: the decayed mean length of the
-        finished runs and the current one (as long as it has lasted so far), with one
-        pseudo-run of one step (none seen yet: 1). The current run counts because a run
-        may never finish: at batch 8 on a CPU host nobody drafts until every request
-        retires, and a request that joins then would be charged a whole pass."""
-        run = self._skip_run
-        return (self.skip_run_steps + run + 1.0) / (self.skip_runs + (run > 0) + 1.0)
-
     def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
-        if not drafted:
-            self._skip_run += 1
-        elif self._skip_run:
-            d = CATCH_UP_DECAY
-            self.skip_run_steps = d * self.skip_run_steps + self._skip_run
-            self.skip_runs = d * self.skip_runs + 1.0
-            self._skip_run = 0
         now = self.clock()
         excluded, self._excluded = self._excluded, 0.0
         if self._round_start is not None and self.scale is not None:
@@ -544,17 +510,11 @@ class MeasuredCosts:
         t, r = self._thetas()
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
-        # A skipped step that commits a catch-up pass commits it for its whole run of
-        # skipped steps: the pass's fixed part is spread over the run's expected length.
-        # Charged whole to the run's first step, a plan that drafts at a small loss per
-        # step never started a run that would pay back the pass (at batch 8, T = 0 that
-        # kind of price kept the plan drafting at 0.86x of no speculation, skip_prices).
-        debt, pass_part = self.skip_prices(row_cost=float(r[3]))
+        debt = self.skip_debt(row_cost=float(r[3]))
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
                          target_per_token=float(t[2]), draft_pass=float(r[2]),
                          draft_row=float(r[3]), draft_round=float(r[1] + t[3]),
-                         verify_fixed=float(t[3]), skip_debt=debt,
-                         skip_fixed=pass_part / self.expected_skip_run())
+                         verify_fixed=float(t[3]), skip_debt=debt)
 
     def describe(self) -> dict[str, Any]:
         c = self.step_costs()
@@ -579,9 +539,9 @@ class MeasuredCosts:
                          "per_pass": 1e3 * c.draft_pass,
                          "per_row": 1e3 * c.draft_row,
                          "skip_debt_per_request": 1e3 * c.skip_debt,
-                         "skip_pass": 1e3 * self.skip_prices(
-                             row_cost=float(self._thetas()[1][3]))[1],
-                         "skip_run_steps": self.expected_skip_run()},
+                         # Not charged (skip_prices): reported.
+                         "catch_up_pass": 1e3 * self.skip_prices(
+                             row_cost=float(self._thetas()[1][3]))[1]},
         }
 
 
@@ -646,14 +606,10 @@ class CostControl:
 
     def __init__(self, k_max: int, clock: Callable[[], float] = time.perf_counter,
                  retired: Callable[[], Container[str]] | None = None,
-                 catch_up_due: Callable[[Sequence[str]], bool] | None = None,
                  refit_every: int = 1) -> None:
         self.k_max = k_max
         # The requests that must draft nothing (their draft KV has gaps): planned zero.
         self.retired = retired
-        # Whether a batch's skipped first passes already wait for a catch-up pass: a
-        # skipped step then commits no pass of its own (StepCosts.skip_fixed).
-        self.catch_up_due = catch_up_due
         self.costs = MeasuredCosts(clock, refit_every)
         self.history = AcceptanceHistory(k_max)
         # A fixed model (tests, or a user who measured theirs): used instead of the
@@ -721,8 +677,7 @@ class CostControl:
         of ``num_reqs`` where nobody else drafts, would raise the step's rate at the
         current costs (:func:`probe_could_pay` of a plan that drafts nothing). When it
         would not, no plan at that batch size drafts for a request on its own account."""
-        # Judged on the token alone: no catch-up pass counted as spared (as for probes).
-        costs = replace(self.step_costs(), skip_fixed=0.0)
+        costs = self.step_costs()
         plain = _plain_step_choice(costs, max(int(num_reqs), 1))
         if plain.rate == 0.0:
             return True  # no model to judge by: say nothing against drafting
@@ -740,9 +695,6 @@ class CostControl:
         retired = (np.fromiter((rid in gone for rid in req_ids), dtype=bool,
                                count=len(req_ids)) if gone else None)
         costs = self.step_costs()
-        if costs.skip_fixed and self.catch_up_due is not None and self.catch_up_due(req_ids):
-            # A catch-up pass is due already: skipping adds positions to it, not a pass.
-            costs = replace(costs, skip_fixed=0.0)
         if retired is not None and retired.all():
             # Every request of the batch is retired (batch 8-32 on a CPU host, once drafting
             # never paid): the choice is all zeros whatever the rates, and a retired

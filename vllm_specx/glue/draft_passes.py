@@ -751,13 +751,6 @@ class DraftKVHoles:
             self.idle_steps = {r: c for r, c in self.idle_steps.items() if r in live}
             self.retired &= live
 
-    def catch_up_due(self, req_ids: Sequence[str]) -> bool:
-        """Whether a request of ``req_ids`` has a hole that a catch-up pass is to write
-        before its next first pass: one more skipped step then adds positions to that
-        pass rather than a pass of its own (``StepCosts.skip_fixed`` is not charged)."""
-        start = self.start
-        return bool(start) and any(rid in start for rid in req_ids)
-
     def retires(self, rid: str) -> bool:
         """Whether one more skipped step takes request ``rid`` to :attr:`retire_after`."""
         return self.idle_steps.get(rid, 0) + 1 >= self.retire_after

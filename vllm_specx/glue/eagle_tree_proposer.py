@@ -67,7 +67,6 @@ from typing import Any
 import torch
 from vllm.v1.sample.metadata import SamplingMetadata
 
-from vllm_specx.glue.cost_model import catch_up_due
 from vllm_specx.glue.draft_passes import RoundStart
 from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for, tree_cost_stats
 
@@ -173,8 +172,7 @@ class EagleTreeRound:
             return None
         control.begin(req_ids, num_rejected, target_tokens)
         depth = control.choose_depth(self._may_draft(req_ids), int(shape["max_depth"]),
-                                     skips_first_pass=True,
-                                     catch_up_due=catch_up_due(self, req_ids))
+                                     skips_first_pass=True)
         if depth > 0:
             return TreeRoundPlan(depth, skip_first_pass=False)
         control.skipped(req_ids)

@@ -194,7 +194,7 @@ class TreeCostControl:
             self._depth_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
 
     def choose_depth(self, num_reqs: int, max_depth: int,
-                     skips_first_pass: bool = False, catch_up_due: bool = False) -> int:
+                     skips_first_pass: bool = False) -> int:
         """Tree depth to draft this round, before any head pass (``choose_tree_depth``):
         depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing. A
         depth never drafted yet counts as paying (it is drafted and measured), and every
@@ -202,9 +202,7 @@ class TreeCostControl:
         nothing, up to :data:`MAX_PROBE_EVERY`) the full depth is drafted again.
         ``num_reqs``: the requests that may draft (0: depth 0, no probe).
         ``skips_first_pass``: chosen before the first pass, which depth 0 then skips
-        (its KV caught up later: ``skip_debt`` per request is depth 0's cost, plus the
-        catch-up pass's fixed part, ``skip_fixed``, unless ``catch_up_due``: a catch-up
-        pass is due already)."""
+        (its KV caught up later: ``skip_debt`` per request is depth 0's cost)."""
         if num_reqs <= 0:
             return 0
         known = self._depth_value[:max_depth]
@@ -223,8 +221,7 @@ class TreeCostControl:
             num_reqs, costs.fixed,
             [costs.draft_round] + [pass_cost] * (max_depth - 1),
             step_costs_target(costs, num_reqs),
-            skip_cost=costs.skip_debt * num_reqs
-            + (0.0 if catch_up_due else costs.skip_fixed) if skips_first_pass else 0.0)
+            skip_cost=costs.skip_debt * num_reqs if skips_first_pass else 0.0)
         if depth == max_depth:
             self._since_full = 0
             self.probe_every = PROBE_EVERY  # the full depth pays: probes at the usual pace
