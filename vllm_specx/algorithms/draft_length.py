@@ -194,11 +194,11 @@ def choose_draft_lengths(
         np.asarray(caps, dtype=np.int64), k)
     w = None if widths is None else np.broadcast_to(
         np.asarray(widths, dtype=np.float64), (num_reqs,))
-    lengths = np.zeros(num_reqs, dtype=np.int64)
-    plain = costs.step_time(lengths, w)
-    if num_reqs == 1 and plain > 0.0 and np.isfinite(plain):
+    if num_reqs == 1:
         return _choose_one_length(g[0], int(cap[0]), costs,
                                   1.0 if w is None else float(w[0]), min_gain)
+    lengths = np.zeros(num_reqs, dtype=np.int64)
+    plain = costs.step_time(lengths, w)
     if not (plain > 0.0 and np.isfinite(plain)):
         # No rate without a positive step time: a plain step (nobody drafts) is always
         # safe, and an engine must not die of a cost model's fault.
@@ -228,10 +228,12 @@ def _choose_one_length(gains: np.ndarray, cap: int, costs: StepCosts, width: flo
     set-up cost more than the search itself; a few floats in a loop cost ~5 us."""
     base = costs.fixed + costs.target_base + costs.target_per_request
     per_pass = costs.draft_pass + costs.draft_row * width
-    tokens = 1.0
-    time = base + costs.skip_debt
-    plain_rate = best_rate = tokens / time if time > 0.0 else 0.0
-    best = (0, best_rate, tokens, time)
+    tokens, time = 1.0, base + costs.skip_debt
+    if not (time > 0.0 and np.isfinite(time)):
+        # As the general search: no rate without a positive plain step time.
+        return LengthChoice(np.zeros(1, dtype=np.int64), 0.0, tokens, time)
+    plain = best = (0, tokens / time, tokens, time)
+    best_rate = plain_rate = plain[1]
     for n, g in enumerate(gains[:cap].tolist(), start=1):
         tokens += g
         time = (base + costs.target_per_token * n + costs.draft_round
@@ -240,7 +242,7 @@ def _choose_one_length(gains: np.ndarray, cap: int, costs: StepCosts, width: flo
         if rate > best_rate:
             best_rate, best = rate, (n, rate, tokens, time)
     if best[0] > 0 and not best_rate > plain_rate * (1.0 + min_gain):
-        best = (0, plain_rate, 1.0, base + costs.skip_debt)
+        best = plain
     n, rate, tokens, time = best
     return LengthChoice(np.array([n], dtype=np.int64), float(rate), float(tokens),
                         float(time))
