@@ -40,6 +40,20 @@ class ScriptedIdleRates:
         return out
 
 
+class ScriptedMostlyIdleRates:
+    """Every request looks hopeless except on each eighth step, when all look good: runs
+    of seven all-zero steps, so nearly every request has a hole open at any step (a
+    preemption lands in one, and the resumed request's first step is usually skipped)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.step = 0
+
+    def __call__(self, req_ids: list[str]) -> Any:
+        self.step += 1
+        return np.full((len(req_ids), self.k), 0.95 if self.step % 8 == 0 else 0.02)
+
+
 # A memory-bound target: a good request's drafts pay, a hopeless one's never.
 MEMORY_BOUND = dict(target_base=1.0, target_per_request=0.02, target_per_token=0.02,
                     draft_pass=0.02, draft_row=0.01)
@@ -109,7 +123,8 @@ def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, max_hole: int | None = None,
-                   fresh_prefix_cache: bool = False, tree: bool = False) -> dict[str, Any]:
+                   fresh_prefix_cache: bool = False, tree: bool = False,
+                   rates: Any = ScriptedIdleRates) -> dict[str, Any]:
     """Generate ``prompts`` twice under the same scripted plans: once skipping the
     head's first pass on all-zero steps (its KV caught up later, in passes of at most 3
     tokens, with the hole bookkeeping in 4-position blocks so skipped steps also catch up
@@ -121,7 +136,8 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     steps. The drafter's settings are restored afterwards. Runs where the engine is: a
     V1 engine in the test process, or a Model Runner V2 one in the V2 host (its
     speculator as ``drafter``). ``tree``: ``drafter`` drafts head trees; the tree cost
-    control's depths are scripted instead (:func:`scripted_tree_control`)."""
+    control's depths are scripted instead (:func:`scripted_tree_control`). ``rates``: the
+    scripted acceptance's class (:class:`ScriptedIdleRates` unless given)."""
 
     saved = dict(drafter.settings)
     saved_tree_control = getattr(drafter, "_tree_cost", None)
@@ -152,7 +168,7 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     def fresh_control() -> Any:
         if tree:
             return scripted_tree_control(drafter)
-        return scripted_control(drafter, k, ScriptedIdleRates(k))
+        return scripted_control(drafter, k, rates(k))
 
     drafter._kv_holes = None  # a fresh hole record: its stats are this call's
     holes = drafter.kv_holes()

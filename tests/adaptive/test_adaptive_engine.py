@@ -22,7 +22,13 @@ from engine_requests import (
     output_ids,
     run_counting_preemptions,
 )
-from idle_steps import check_retirement, run_retirement
+from idle_steps import (
+    ScriptedMostlyIdleRates,
+    check_idle_steps,
+    check_retirement,
+    run_idle_steps,
+    run_retirement,
+)
 
 from vllm_specx.algorithms.draft_length import ConfidenceCalibration
 
@@ -259,6 +265,17 @@ def runs() -> dict[str, Any]:
             "cost_short_no_skip",
             lambda: output_ids(generate(llm, prompts["short"], greedy(NEW_TOKENS))))
         del runner.drafter.skips_idle_first_pass
+        # Skipped first passes under preemption (the default configuration's draft-KV
+        # holes): the same scripted plans with and without skipping, each on an empty
+        # prefix cache, on a KV cache too small for the ten requests. Runs of seven
+        # all-zero steps, so requests are preempted with a hole open and resume on a
+        # skipped step: the resumed request lacks draft KV from where its recomputation
+        # starts, which may be before its old hole; and a block cached by a skipped step
+        # must hold its draft KV when a resumed request reads it.
+        out["idle_many"], out["idle_preemptions"] = run_counting_preemptions(
+            llm, lambda: run_idle_steps(llm, runner.drafter, K_MAX, prompts["many"],
+                                        greedy(150), fresh_prefix_cache=True,
+                                        rates=ScriptedMostlyIdleRates))
         out["retire"] = run_retirement(llm, runner.drafter, K_MAX, prompts["short"],
                                        greedy(NEW_TOKENS))
         out["cost_ragged"] = output_ids(generate(llm, prompts["ragged"], greedy(NEW_TOKENS)))
@@ -480,6 +497,15 @@ def test_steps_where_nobody_drafts_skip_the_drafter_and_catch_its_kv_up(runs):
     skip, no_skip = rounds("cost_short_rounds"), rounds("cost_short_no_skip_rounds")
     assert sum(not any(d) for _, d in skip) > 1
     assert skip == no_skip
+
+
+def test_skipped_first_passes_under_preemption(runs):
+    """Cost control's all-zero steps (the draft model's first pass skipped, its KV caught
+    up before the next first pass that runs) while the scheduler preempts: every round's
+    drafts and first-pass output equal those of the same plans with every first pass run,
+    and greedy output equals no speculation."""
+    assert runs["idle_preemptions"] > 0
+    check_idle_steps(runs["idle_many"], runs["plain_many"])
 
 
 def test_a_request_idle_for_long_retires_from_drafting(runs):

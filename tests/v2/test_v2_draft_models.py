@@ -166,6 +166,39 @@ def test_adaptive_cost_control_on_v2(adaptive_run, v2_engine, v2_host, v2_refere
     # Those steps skipped V2's first pass; the draft KV was caught up (greedy equal above).
     holes = run["stats"]["cost_control"]["idle_first_pass"]
     assert holes["skipped_first_passes"] > 0 and holes["catch_up_tokens"] > 0
+    assert run["preemptions"] > 0, run["preemptions"]
+
+
+def run_idle_preempted(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
+                       ) -> dict[str, Any]:
+    """Runs in the V2 host: tests/idle_steps.py's two runs (the draft model's first pass
+    skipped on all-zero steps and caught up later, then every first pass run) under
+    runs of seven all-zero steps, on the small KV cache: requests are preempted with a
+    hole open and usually resume on a skipped step. Also counts the preemptions."""
+    from engine_requests import run_counting_preemptions
+    from idle_steps import ScriptedMostlyIdleRates, run_idle_steps
+    from vllm import SamplingParams
+
+    from vllm_specx.testing.v2_engine import runner_of
+
+    params = [SamplingParams(**s) for s in samplings]
+    idle, preemptions = run_counting_preemptions(llm, lambda: run_idle_steps(
+        llm, runner_of(llm).speculator, ADAPTIVE_K, prompts, params,
+        rates=ScriptedMostlyIdleRates))
+    return {**idle, "preemptions": preemptions}
+
+
+def test_adaptive_skipped_first_passes_under_preemption_on_v2(adaptive_run, v2_host,
+                                                               v2_reference):
+    """The draft model's skipped first passes on V2 while the scheduler preempts: every
+    round's drafts and first-pass output equal those of the same plans with every first
+    pass run, and greedy output equals no speculation."""
+    from idle_steps import check_idle_steps
+
+    idle = v2_host.call("adaptive", f"{__name__}:run_idle_preempted", *_ragged_requests())
+    assert idle["preemptions"] > 0
+    expected = [v2_reference[1]] * 5 + [ref[:n] for ref in v2_reference for n in OUTPUT_LENGTHS]
+    check_idle_steps(idle, expected)
 
 
 def _scripted_depth_control(speculator: Any) -> Any:
