@@ -11,6 +11,10 @@ and vLLM's spec-decode Prometheus counters must be consistent.
 Adding a method is one entry in ``LOAD_METHODS`` (its target: the fixture pair's, or the
 MTP fixture for ``specx_mtp``; optionally extra ``vllm serve`` arguments).
 
+``adaptive`` also runs as the README starts it (``adaptive-default``: cost control on,
+its drafts following this host's timings, so the counters are checked for consistency
+but drafting itself is not required there).
+
 Data parallel: ``adaptive`` runs under ``vllm serve --data-parallel-size 2`` (two
 engine cores, each with its own specx drafter; vLLM runs each DP rank of the dense fixture
 target as an independent engine); ``mtad`` likewise where ``VLLM_SPECX_SCALE_OUT_TESTS=1``
@@ -53,6 +57,17 @@ DP2 = ("--data-parallel-size", "2", "--api-server-count", "1")
 ADAPTIVE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
             "confidence_threshold": 0.5, "cost_control": False}
 MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}
+# As the README starts it.
+ADAPTIVE_DEFAULT = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 8}
+
+
+def drafts_follow_timings(spec: dict[str, Any]) -> bool:
+    """Whether the cost control decides how much ``spec`` drafts (from measured timings:
+    possibly nothing on a slow host): on by default for ``adaptive``, and for the head
+    methods with ``"adaptive": true``."""
+    if spec.get("cost_control") is False:
+        return False
+    return spec["method"] == "adaptive" or bool(spec.get("adaptive"))
 
 # One entry per speculative method under load: (target, speculative config[, extra
 # `vllm serve` arguments]).
@@ -67,6 +82,10 @@ LOAD_METHODS = [
         id="specx_mtp",
     ),
     pytest.param((PAIR, ADAPTIVE, DP2), id="adaptive-dp2"),
+    # The configuration a user starts: cost control on (the default), so how much is
+    # drafted follows this host's timings; the assertions that need drafts ask for them
+    # only where the config fixes them (DRAFTS_FOLLOW_TIMINGS).
+    pytest.param((PAIR, ADAPTIVE_DEFAULT), id="adaptive-default"),
     pytest.param((PAIR, MTAD, DP2), id="mtad-dp2",
                  marks=pytest.mark.skipif(not SCALE_OUT,
                                           reason="set VLLM_SPECX_SCALE_OUT_TESTS=1")),
@@ -458,8 +477,10 @@ def test_spec_decode_counters_add_up(load_run):
         if key.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{"):
             pos = int(re.search(r'position="(\d+)"', key).group(1))
             per_pos[pos] = per_pos.get(pos, 0) + v
-    assert drafts > 0 and accepted > 0
+    if not drafts_follow_timings(load_run.spec):
+        assert drafts > 0 and accepted > 0
     assert drafted >= accepted and drafted <= k * drafts
+    assert drafts <= drafted  # a draft is at least one token (zero-length: no draft)
     assert sorted(per_pos) == list(range(k))
     assert sum(per_pos.values()) == accepted
     # A token at position i is accepted only after positions 0..i-1 were.
