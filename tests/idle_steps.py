@@ -7,6 +7,7 @@ output, what it would have been with the pass run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -124,7 +125,7 @@ def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, max_hole: int | None = None,
                    fresh_prefix_cache: bool = False, tree: bool = False,
-                   rates: Any = ScriptedIdleRates) -> dict[str, Any]:
+                   rates: Callable[[int], Any] = ScriptedIdleRates) -> dict[str, Any]:
     """Generate ``prompts`` twice under the same scripted plans: once skipping the
     head's first pass on all-zero steps (its KV caught up later, in passes of at most 3
     tokens, with the hole bookkeeping in 4-position blocks so skipped steps also catch up
