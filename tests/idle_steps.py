@@ -1,9 +1,9 @@
 """Steps where nobody drafts, forced in a running specx engine (issue 32): cost control
 with a fixed cost model and scripted acceptance rates, so some steps plan zero drafts for
 every request (runs of several such steps) and others draft, whatever the clock. Used by
-the EAGLE-3 and MTP engine tests (V1, and Model Runner V2 in tests/v2) to show that a
-skipped first pass of a head, caught up later, leaves every draft, and every first pass's
-output, what it would have been with the pass run."""
+the engine tests of `adaptive`'s draft model, the EAGLE-3 head and MTP (V1, and Model
+Runner V2 in tests/v2) to show that a skipped first pass, caught up later, leaves every
+draft, and every first pass's output, what it would have been with the pass run."""
 
 from __future__ import annotations
 
