@@ -9,8 +9,9 @@ skipped then): greedy output must still equal no speculation's under the same
 constraints, token for token. The lengths come from a fixed cost model and scripted
 acceptance (tests/idle_steps.py), not from this host's timings.
 
-Model Runner V2 is not covered here: its grammar-bitmask kernel fails under the Triton
-interpreter on CPU (``mask has unsupported dtype``), without speculation too.
+Model Runner V2: tests/v2/test_v2_draft_models.py (``test_adaptive_structured_outputs_on_v2``;
+V2's grammar-bitmask kernel, which the Triton interpreter cannot run, runs there as the
+same arithmetic in torch).
 """
 
 from __future__ import annotations

@@ -28,7 +28,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from v2_cases import ENGINE_KWARGS, GREEDY, PROMPTS, TARGET, heldout_prompts  # noqa: E402
+from v2_cases import (  # noqa: E402
+    ENGINE_KWARGS,
+    GREEDY,
+    PROMPTS,
+    STRUCTURED_MAX_TOKENS,
+    TARGET,
+    heldout_prompts,
+)
 
 from vllm_specx.testing.v2_engine import V2EngineHost
 
@@ -63,12 +70,15 @@ def v2_engine(v2_host: V2EngineHost) -> Iterator[Callable[..., dict[str, Any]]]:
 @pytest.fixture(scope="session")
 def v2_references(v2_host: V2EngineHost) -> dict[str, list[list[int]]]:
     """Greedy outputs of the fixture target, no speculation, on V2 (engine stopped after):
-    for PROMPTS and for the held-out prompts, one engine."""
+    for PROMPTS, for the held-out prompts, and for PROMPTS under structured outputs
+    (``v2_cases.generate_structured``), one engine."""
     description = v2_host.start("reference", TARGET, **ENGINE_KWARGS)
     try:
         assert description["v2"], description
         return {"prompts": v2_host.generate("reference", PROMPTS, GREEDY),
-                "heldout": v2_host.generate("reference", heldout_prompts(), GREEDY)}
+                "heldout": v2_host.generate("reference", heldout_prompts(), GREEDY),
+                "structured": v2_host.call("reference", "v2_cases:generate_structured",
+                                           STRUCTURED_MAX_TOKENS)}
     finally:
         v2_host.stop("reference")
 
@@ -77,6 +87,13 @@ def v2_references(v2_host: V2EngineHost) -> dict[str, list[list[int]]]:
 def v2_reference(v2_references: dict[str, list[list[int]]]) -> list[list[int]]:
     """Greedy outputs for ``v2_cases.PROMPTS`` without speculation on V2."""
     return v2_references["prompts"]
+
+
+@pytest.fixture(scope="session")
+def v2_structured_reference(v2_references: dict[str, list[list[int]]]) -> list[list[int]]:
+    """Greedy outputs for ``v2_cases.PROMPTS`` under each structured-output kind without
+    speculation on V2 (``v2_cases.generate_structured``)."""
+    return v2_references["structured"]
 
 
 @pytest.fixture(scope="session")

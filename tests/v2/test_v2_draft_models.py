@@ -38,11 +38,12 @@ SMALL_KV = {"kv_cache_memory_bytes": 660_000, "max_model_len": 96,
 OUTPUT_LENGTHS = (12, 7, 9)  # 7 and 9: requests end inside a draft (K = 6)
 
 
-def run_recorded(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
-                 ) -> dict[str, Any]:
+def run_recorded(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]],
+                 structured: bool = False) -> dict[str, Any]:
     """Runs in the V2 host: generate, recording every round's draft lengths (the
     speculator's) and the lengths the scheduler received (``take_draft_token_ids``), and
-    counting preemptions."""
+    counting preemptions. ``structured``: generate ``v2_cases.generate_structured``'s
+    requests instead (``prompts`` and ``samplings`` unused)."""
     from vllm_specx.testing.v2_engine import generate_token_ids, runner_of
 
     runner = runner_of(llm)
@@ -74,7 +75,12 @@ def run_recorded(llm: Any, prompts: list[list[int]], samplings: list[dict[str, A
     runner.take_draft_token_ids = ids_hook
     scheduler._preempt_request = preempt_hook
     try:
-        outputs = generate_token_ids(llm, prompts, samplings)
+        if structured:
+            from v2_cases import STRUCTURED_MAX_TOKENS, generate_structured
+
+            outputs = generate_structured(llm, STRUCTURED_MAX_TOKENS)
+        else:
+            outputs = generate_token_ids(llm, prompts, samplings)
     finally:
         del speculator.take_draft_lengths, runner.take_draft_token_ids
         scheduler._preempt_request = preempt
@@ -114,13 +120,13 @@ def test_adaptive_scheduler_receives_the_ragged_lengths_on_v2(adaptive_run):
     assert sum(int(n) * c for n, c in histogram.items()) == sum(lengths)
 
 
-def run_cost_controlled(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]
-                        ) -> dict[str, Any]:
+def run_cost_controlled(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]],
+                        structured: bool = False) -> dict[str, Any]:
     """Runs in the V2 host: :func:`run_recorded` with the speculator's cost control on, a
     fixed cost model and scripted acceptance (request ``i`` looks good on the steps where
     ``(step + i) % 3 == 0``, every request hopeless on each fourth step), so lengths
     change step to step, with steps where some or all requests draft zero, whatever the
-    timing."""
+    timing. ``structured``: :func:`run_recorded`'s structured-output requests."""
     import numpy as np
 
     from vllm_specx.algorithms.draft_length import StepCosts
@@ -144,7 +150,7 @@ def run_cost_controlled(llm: Any, prompts: list[list[int]], samplings: list[dict
 
     control.history.rates = rates
     try:
-        return run_recorded(llm, prompts, samplings)
+        return run_recorded(llm, prompts, samplings, structured)
     finally:
         speculator.settings["cost_control"] = False
 
@@ -167,6 +173,34 @@ def test_adaptive_cost_control_on_v2(adaptive_run, v2_engine, v2_host, v2_refere
     holes = run["stats"]["cost_control"]["idle_first_pass"]
     assert holes["skipped_first_passes"] > 0 and holes["catch_up_tokens"] > 0
     assert run["preemptions"] > 0, run["preemptions"]
+
+
+def test_adaptive_structured_outputs_on_v2(adaptive_run, v2_host, v2_structured_reference):
+    """vLLM's structured outputs (a JSON schema, JSON mode, and an unconstrained request
+    per prompt, one batch) under the cost control's ragged lengths on V2: greedy output
+    equals no speculation's under the same constraints, token for token. V2 masks the
+    logits of every scheduled draft row by the request's grammar and maps the rows through
+    the ragged draft counts the scheduler received (V2's grammar kernel runs as the same
+    arithmetic in torch here: ``v2_cases.install_grammar_bitmask_stand_in``)."""
+    from transformers import AutoTokenizer
+    from v2_cases import STRUCTURED_KINDS, TARGET
+
+    run = v2_host.call("adaptive", f"{__name__}:run_cost_controlled", [], [], True)
+    assert run["outputs"] == v2_structured_reference
+    # The grammar reached the reference too: its constrained requests write JSON, which
+    # the same prompt unconstrained does not.
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    n = len(STRUCTURED_KINDS)
+    for i in range(len(PROMPTS)):
+        rows = dict(zip(STRUCTURED_KINDS, v2_structured_reference[i * n:(i + 1) * n]))
+        assert not tok.decode(rows["none"]).lstrip().startswith("{")
+        for kind in ("json_schema", "json_object"):
+            assert tok.decode(rows[kind]).lstrip().startswith("{"), (kind, tok.decode(rows[kind]))
+    drafted, received = run["drafted"], run["received"]
+    assert all(got == lengths for got, lengths in zip(received, drafted) if lengths)
+    steps = [step for step in drafted if len(step) > 1]
+    assert any(not any(step.values()) for step in steps)  # nobody drafts
+    assert any(0 in step.values() and any(step.values()) for step in steps)  # some do
 
 
 def run_idle_preempted(llm: Any, prompts: list[list[int]], samplings: list[dict[str, Any]]

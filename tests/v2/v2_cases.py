@@ -53,3 +53,66 @@ def build_eagle3_head(out_dir: str) -> str:
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
     return str(builder.build(Path(out_dir)))
+
+
+# Structured outputs on V2: one request per kind, constrained by a JSON schema, by JSON
+# mode, and not at all, over PROMPTS (token ids; the grammar needs the fixture's tokenizer).
+JSON_SCHEMA = {"type": "object",
+               "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+               "required": ["name", "count"]}
+STRUCTURED_KINDS = ("json_schema", "json_object", "none")
+STRUCTURED_MAX_TOKENS = 16
+
+
+def install_grammar_bitmask_stand_in() -> None:
+    """Runs in the V2 host. V2 masks the logits of a request with a structured output by
+    a Triton kernel (``vllm/v1/worker/gpu/structured_outputs.py``,
+    ``_apply_grammar_bitmask_kernel``) that the Triton interpreter cannot run on a CPU
+    (its store mask is refused: ``mask has unsupported dtype``, without speculation too).
+    This puts the same arithmetic, in torch, where ``apply_grammar_bitmask`` launches it
+    (``kernel[grid](...)``): bitmask row ``i`` masks logits row ``cu_num_logits[r] + p``
+    (``logits_indices[i] = r * MASK_STRIDE + p``) where its bit is 0, if request ``r``
+    has a logit at position ``p`` in this step. Everything else of V2's structured
+    outputs (xgrammar, the scheduler's draft checks, the row mapping) is vLLM's own."""
+    import torch
+    from vllm.v1.worker.gpu import structured_outputs
+
+    class GrammarBitmask:
+        def __getitem__(self, grid: tuple[int, int]) -> Any:
+            def apply(logits: torch.Tensor, logits_stride: int, logits_indices: torch.Tensor,
+                      cu_num_logits: torch.Tensor, bitmask: torch.Tensor, bitmask_stride: int,
+                      vocab_size: int, MASK_STRIDE: int, BLOCK_SIZE: int) -> None:
+                cu = cu_num_logits.to("cpu", torch.int64).tolist()
+                shifts = torch.arange(32, dtype=torch.int32)
+                for i, index in enumerate(logits_indices[:grid[0]].tolist()):
+                    req, pos = divmod(int(index), MASK_STRIDE)
+                    if pos >= cu[req + 1] - cu[req]:
+                        continue
+                    packed = bitmask[i, :bitmask_stride].to("cpu", torch.int32)
+                    banned = (((packed[:, None] >> shifts[None, :]) & 1) == 0).reshape(-1)
+                    row = logits[cu[req] + pos, :vocab_size]
+                    row[banned[:vocab_size].to(row.device)] = -float("inf")
+            return apply
+
+    structured_outputs._apply_grammar_bitmask_kernel = GrammarBitmask()
+
+
+def structured_params(max_tokens: int) -> list[Any]:
+    """Greedy SamplingParams per :data:`STRUCTURED_KINDS`, for each of :data:`PROMPTS`."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kinds = {"json_schema": StructuredOutputsParams(json=JSON_SCHEMA),
+             "json_object": StructuredOutputsParams(json_object=True), "none": None}
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                           structured_outputs=kinds[kind])
+            for _ in PROMPTS for kind in STRUCTURED_KINDS]
+
+
+def generate_structured(llm: Any, max_tokens: int) -> list[list[int]]:
+    """Runs in the V2 host: each of :data:`PROMPTS` under each structured-output kind,
+    greedy, one batch; token ids in that order."""
+    install_grammar_bitmask_stand_in()
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS for _ in STRUCTURED_KINDS]
+    outputs = llm.generate(prompts, structured_params(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
