@@ -85,9 +85,11 @@ def test_structured_greedy_output_equals_no_speculation_while_lengths_change(run
     assert runs["spec"] == runs["plain"]
     # Both constrained kinds produced JSON-looking text (the grammar reached them).
     assert all(t.lstrip().startswith("{") for t in runs["texts"][:2])
-    full = [step for step in runs["lengths"] if len(step) == 6]
-    assert any(not any(step) for step in full)  # nobody drafts
-    assert any(0 in step and any(step) for step in full)  # only some do
+    # Steps of several requests (the JSON-mode ones may close their object in a few
+    # tokens and leave the batch early).
+    steps = [step for step in runs["lengths"] if len(step) > 1]
+    assert any(not any(step) for step in steps), runs["lengths"]  # nobody drafts
+    assert any(0 in step and any(step) for step in steps), runs["lengths"]  # only some do
     assert runs["holes"]["skipped_first_passes"] > 0
     drafted, accepted = runs["counts"]
     assert drafted > accepted > 0
