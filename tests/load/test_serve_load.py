@@ -11,9 +11,10 @@ and vLLM's spec-decode Prometheus counters must be consistent.
 Adding a method is one entry in ``LOAD_METHODS`` (its target: the fixture pair's, or the
 MTP fixture for ``specx_mtp``; optionally extra ``vllm serve`` arguments).
 
-``adaptive`` also runs as the README starts it (``adaptive-default``: cost control on,
-its drafts following this host's timings, so the counters are checked for consistency
-but drafting itself is not required there).
+``adaptive`` also runs as the README starts it (``adaptive-default``: cost control on),
+and ``specx_mtp`` with its adaptive stop and the cost control on (its default there): their
+drafts follow this host's timings, so the counters are checked for consistency but
+drafting itself is not required of them (``drafts_follow_timings``).
 
 Data parallel: ``adaptive`` runs under ``vllm serve --data-parallel-size 2`` (two
 engine cores, each with its own specx drafter; vLLM runs each DP rank of the dense fixture
@@ -77,8 +78,9 @@ LOAD_METHODS = [
     # each of the two engines with the small KV cache, so one server proves both (a third
     # single-engine server cost ~50 s of the suite's budget).
     pytest.param(
-        (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True,
-               "cost_control": False}),
+        # The cost control on (the default with "adaptive": true): the MTP layer's
+        # skipped first passes, kept inputs and catch-ups under preemption and drops.
+        (MTP, {"method": "specx_mtp", "num_speculative_tokens": 4, "adaptive": True}),
         id="specx_mtp",
     ),
     pytest.param((PAIR, ADAPTIVE, DP2), id="adaptive-dp2"),
