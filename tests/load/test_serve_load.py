@@ -74,9 +74,10 @@ def drafts_follow_timings(spec: dict[str, Any]) -> bool:
 # `vllm serve` arguments]).
 LOAD_METHODS = [
     pytest.param((PAIR, MTAD), id="mtad"),
-    # adaptive runs its load under DP = 2 only (below): the same requests and assertions,
-    # each of the two engines with the small KV cache, so one server proves both (a third
-    # single-engine server cost ~50 s of the suite's budget).
+    # adaptive with fixed drafting (cost control off) runs its load under DP = 2 only
+    # (below): the same requests and assertions, each of the two engines with the small KV
+    # cache, so one server proves both; its default configuration runs single-engine
+    # (adaptive-default).
     pytest.param(
         # The cost control on (the default with "adaptive": true): the MTP layer's
         # skipped first passes, kept inputs and catch-ups under preemption and drops.
@@ -86,7 +87,7 @@ LOAD_METHODS = [
     pytest.param((PAIR, ADAPTIVE, DP2), id="adaptive-dp2"),
     # The configuration a user starts: cost control on (the default), so how much is
     # drafted follows this host's timings; the assertions that need drafts ask for them
-    # only where the config fixes them (DRAFTS_FOLLOW_TIMINGS).
+    # only where the config fixes them (drafts_follow_timings).
     pytest.param((PAIR, ADAPTIVE_DEFAULT), id="adaptive-default"),
     pytest.param((PAIR, MTAD, DP2), id="mtad-dp2",
                  marks=pytest.mark.skipif(not SCALE_OUT,
