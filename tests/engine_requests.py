@@ -1,10 +1,11 @@
 """Requests and read-outs shared by the engine tests of the speculative methods
-(``tests/adaptive``, ``tests/mtp``, ``tests/eagle``): token-id prompts in, output ids back
-in request order, greedy and mixed sampling parameters, vLLM's counters, draft rounds."""
+(``tests/adaptive``, ``tests/mtp``, ``tests/eagle``, ``tests/v2``): token-id prompts in,
+output ids back in request order, greedy, mixed and structured-output sampling parameters,
+vLLM's counters, draft rounds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -46,6 +47,25 @@ def generate(llm: Any, prompts: list[list[int]], params: Any) -> Any:
 
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         use_tqdm=False)
+
+
+# Structured outputs: a JSON schema, JSON mode, and no constraint.
+JSON_SCHEMA = {"type": "object",
+               "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+               "required": ["name", "count"]}
+STRUCTURED_KINDS = ("json_schema", "json_object", "none")
+
+
+def structured(kinds: Sequence[str], max_tokens: int) -> list[Any]:
+    """Greedy SamplingParams, one per entry of ``kinds`` (of :data:`STRUCTURED_KINDS`),
+    constrained by :data:`JSON_SCHEMA`, by JSON mode, or not at all."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    by_kind = {"json_schema": StructuredOutputsParams(json=JSON_SCHEMA),
+               "json_object": StructuredOutputsParams(json_object=True), "none": None}
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                           structured_outputs=by_kind[kind]) for kind in kinds]
 
 
 def run_counting_preemptions(llm: Any, run: Callable[[], T]) -> tuple[T, int]:

@@ -19,27 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_requests import counter
+from engine_requests import STRUCTURED_KINDS, DraftRoundRecorder, counter, structured
 from idle_steps import COUNTERS, ScriptedIdleRates, scripted_control
 
 pytestmark = pytest.mark.engine
 
 K = 6
 MAX_TOKENS = 40
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
-          "required": ["name", "count"]}
-
-
-def _params() -> list[Any]:
-    """A JSON-schema request, a JSON-mode request and an unconstrained one, twice."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    kinds = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json_object=True),
-             None]
-    return [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=s)
-            for s in kinds * 2]
+# Each kind twice, one request each.
+KINDS = STRUCTURED_KINDS * 2
 
 
 @pytest.fixture(scope="module")
@@ -52,29 +40,23 @@ def runs() -> dict[str, Any]:
     engine_kw = dict(max_model_len=512)
     out: dict[str, Any] = {}
     with running_llm(target, **engine_kw) as llm:
-        out["plain"] = [list(o.outputs[0].token_ids)
-                        for o in llm.generate(prompts, _params(), use_tqdm=False)]
+        out["plain"] = [list(o.outputs[0].token_ids) for o in
+                        llm.generate(prompts, structured(KINDS, MAX_TOKENS), use_tqdm=False)]
     spec = {"method": "adaptive", "model": draft, "num_speculative_tokens": K}
     llm = make_llm(target, speculative_config=spec, disable_log_stats=False, **engine_kw)
     try:
-        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        drafter = runner.drafter
         assert drafter.settings["cost_control"] is True  # the default
         scripted_control(drafter, K, ScriptedIdleRates(K))
-        lengths: list[list[int]] = []
-        original = drafter.propose
-
-        def propose(*args: Any, **kwargs: Any) -> Any:
-            drafts = original(*args, **kwargs)
-            lengths.append([len(d) for d in drafts])
-            return drafts
-
-        drafter.propose = propose
+        recorder = DraftRoundRecorder(runner)
+        recorder.install()
         before = [counter(llm, c) for c in COUNTERS]
-        outputs = llm.generate(prompts, _params(), use_tqdm=False)
+        outputs = llm.generate(prompts, structured(KINDS, MAX_TOKENS), use_tqdm=False)
         out["counts"] = [counter(llm, c) - b for c, b in zip(COUNTERS, before)]
         out["spec"] = [list(o.outputs[0].token_ids) for o in outputs]
         out["texts"] = [o.outputs[0].text for o in outputs]
-        out["lengths"] = lengths
+        out["lengths"] = recorder.rounds
         out["holes"] = dict(drafter.kv_holes().as_dict())
     finally:
         shutdown_llm(llm)

@@ -182,8 +182,9 @@ def test_adaptive_structured_outputs_on_v2(adaptive_run, v2_host, v2_structured_
     logits of every scheduled draft row by the request's grammar and maps the rows through
     the ragged draft counts the scheduler received (V2's grammar kernel runs as the same
     arithmetic in torch here: ``v2_cases.install_grammar_bitmask_stand_in``)."""
+    from engine_requests import STRUCTURED_KINDS
     from transformers import AutoTokenizer
-    from v2_cases import STRUCTURED_KINDS, TARGET
+    from v2_cases import TARGET
 
     run = v2_host.call("adaptive", f"{__name__}:run_cost_controlled", [], [], True)
     assert run["outputs"] == v2_structured_reference

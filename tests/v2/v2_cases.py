@@ -55,12 +55,8 @@ def build_eagle3_head(out_dir: str) -> str:
     return str(builder.build(Path(out_dir)))
 
 
-# Structured outputs on V2: one request per kind, constrained by a JSON schema, by JSON
-# mode, and not at all, over PROMPTS (token ids; the grammar needs the fixture's tokenizer).
-JSON_SCHEMA = {"type": "object",
-               "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
-               "required": ["name", "count"]}
-STRUCTURED_KINDS = ("json_schema", "json_object", "none")
+# Structured outputs on V2: each of PROMPTS (token ids; the grammar needs the fixture's
+# tokenizer) under each of engine_requests.STRUCTURED_KINDS.
 STRUCTURED_MAX_TOKENS = 16
 
 
@@ -97,22 +93,13 @@ def install_grammar_bitmask_stand_in() -> None:
     structured_outputs._apply_grammar_bitmask_kernel = GrammarBitmask()
 
 
-def structured_params(max_tokens: int) -> list[Any]:
-    """Greedy SamplingParams per :data:`STRUCTURED_KINDS`, for each of :data:`PROMPTS`."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    kinds = {"json_schema": StructuredOutputsParams(json=JSON_SCHEMA),
-             "json_object": StructuredOutputsParams(json_object=True), "none": None}
-    return [SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                           structured_outputs=kinds[kind])
-            for _ in PROMPTS for kind in STRUCTURED_KINDS]
-
-
 def generate_structured(llm: Any, max_tokens: int) -> list[list[int]]:
-    """Runs in the V2 host: each of :data:`PROMPTS` under each structured-output kind,
-    greedy, one batch; token ids in that order."""
+    """Runs in the V2 host: each of :data:`PROMPTS` under each of
+    ``engine_requests.STRUCTURED_KINDS``, greedy, one batch; token ids in that order."""
+    from engine_requests import STRUCTURED_KINDS, structured
+
     install_grammar_bitmask_stand_in()
     prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS for _ in STRUCTURED_KINDS]
-    outputs = llm.generate(prompts, structured_params(max_tokens), use_tqdm=False)
+    kinds = [kind for _ in PROMPTS for kind in STRUCTURED_KINDS]
+    outputs = llm.generate(prompts, structured(kinds, max_tokens), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
