@@ -283,8 +283,9 @@ COST_CONTROL = Knob(
     "choose every step's draft lengths from the engine's own measured step costs and each "
     "request's acceptance so far (0 where drafting would not pay); false: the stop rule "
     "alone decides. With a dynamic draft_tree it keeps per request only the tree nodes "
-    "that pay at those costs, down to none (a plain step); false verifies every drafted "
-    "tree whole",
+    "that pay at those costs, down to none (a plain step), and adaptive's i.i.d. children "
+    "of a sampled batch to a depth chosen from them before drafting (0: a plain step), "
+    "verified whole; false verifies every drafted tree whole",
 )
 # mtad's depth control (issue 32): every request's own depth 0..K per step
 # (``CostControl.plan_depths``); off by default until the bench says it does not hurt

@@ -111,15 +111,11 @@ def _exact_three_tokens(model, prompt: list[int], top_k: int) -> dict[tuple[int,
             for c, pc in top(prompt + [a, b])}
 
 
-def test_sampled_children_output_is_distributed_as_the_target(pair, engine):  # noqa: F811
-    """Sampled requests draft i.i.d. children and are verified by the "sampled" rule
-    (``sampled_children``, the default). The drafter's logits are skewed by a fixed
-    random bias so q differs from p (the fixture's draft is the target): chi-square of
-    the engine's 3-token samples against the target's exact distribution (p 0.53 when
-    written). Checked by hand: drafting the top-k children but verifying them with the
-    "sampled" rule (the documented wrong pairing) fails it with p = 7e-58; handing every
-    node the q row of depth 0 is too small an error for these samples (p 0.012 with 600)
-    and is caught in tests/algorithms/test_sampled_tree.py."""
+def _skewed_three_token_samples(pair, engine) -> tuple[float, int, int]:  # noqa: F811
+    """N_STAT seeded 3-token samples at T = 1, top-k 3, with the drafter's logits skewed
+    by a fixed random bias (the fixture's draft is the target: q must differ from p):
+    the chi-square p-value against the target's exact distribution, and the run's
+    accepted and verified draft nodes."""
     from scipy.stats import chisquare
     from vllm import SamplingParams
 
@@ -147,7 +143,6 @@ def test_sampled_children_output_is_distributed_as_the_target(pair, engine):  # 
     samples = [tuple(o.outputs[0].token_ids) for o in outs]
     assert drafter.sampled_tree_rounds > before[0]
     accepted, nodes = stats.accepted - before[2], stats.tree_nodes - before[1]
-    assert 0 < accepted < nodes - (stats.tree_requests - before[3])  # rejections too
     dist = _exact_three_tokens(target, prompt, 3)
     assert set(samples) <= set(dist)
     big = [k for k in dist if dist[k] * N_STAT >= 5]
@@ -155,8 +150,66 @@ def test_sampled_children_output_is_distributed_as_the_target(pair, engine):  # 
     observed = [samples.count(k) for k in big] + [sum(samples.count(k) for k in small)]
     expected = [dist[k] * N_STAT for k in big] + [sum(dist[k] for k in small) * N_STAT]
     scale = sum(observed) / sum(expected)
-    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
-    assert p_value > 1e-3, (p_value, observed, expected)
+    p_value = float(chisquare(observed, [e * scale for e in expected]).pvalue)
+    return p_value, accepted, nodes - (stats.tree_requests - before[3])
+
+
+def test_sampled_children_output_is_distributed_as_the_target(pair, engine):  # noqa: F811
+    """Sampled requests draft i.i.d. children and are verified by the "sampled" rule
+    (``sampled_children``, the default): chi-square of the engine's 3-token samples
+    against the target's exact distribution (p 0.53 when written). Checked by hand:
+    drafting the top-k children but verifying them with the "sampled" rule (the
+    documented wrong pairing) fails it with p = 7e-58; handing every node the q row of
+    depth 0 is too small an error for these samples (p 0.012 with 600) and is caught in
+    tests/algorithms/test_sampled_tree.py."""
+    p_value, accepted, drafted = _skewed_three_token_samples(pair, engine)
+    assert 0 < accepted < drafted  # rejections too
+    assert p_value > 1e-3, p_value
+
+
+def test_sampled_children_at_depths_chosen_before_drafting(pair, engine):  # noqa: F811
+    """With cost control (its default) the i.i.d. children are not pruned after drafting
+    (keeping a node's children by what they drew would bias the "sampled" rule): the
+    round's depth is chosen before they are drawn and the trees are verified whole. Here
+    the control's choice is scripted (0, 1, 2, 3, 3, ...: plain steps and trees of 3, 6
+    and 8 nodes, never reading the draws): the samples still follow the target's exact
+    distribution, and the control times and learns from the whole trees."""
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+
+    drafter = engine.runner.drafter
+    drafter.settings = {**drafter.settings, "cost_control": True}
+    drafter._tree_cost = None  # a control of this test's own (not the pruning test's)
+    control = tree_cost_control_for(drafter)
+    assert control is not None
+    depths: list[int] = []
+
+    def scripted(num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+        assert max_depth == 3
+        depths.append([0, 1, 2, 3, 3][len(depths) % 5])
+        return depths[-1]
+
+    control.choose_depth = scripted
+    received: list[int] = []
+    record = engine.state.record_round
+
+    def recorded(req_ids, tokens, parents, **kwargs):
+        received.extend(len(t) for t in tokens)
+        return record(req_ids, tokens, parents, **kwargs)
+
+    engine.state.record_round = recorded
+    try:
+        p_value, accepted, drafted = _skewed_three_token_samples(pair, engine)
+    finally:
+        drafter.settings = {**drafter.settings, "cost_control": False}
+        del engine.state.record_round
+        drafter._tree_cost = None
+    assert {0, 1, 2, 3} <= set(depths)
+    assert set(received) == {3, 6, 8}, set(received)  # 3 a depth, the last depth 2
+    stats = control.stats
+    assert stats.whole_rounds > 0 and stats.all_zero_rounds > 0, stats
+    assert stats.kept_nodes == stats.drafted_nodes == sum(received)
+    assert 0 < accepted < drafted
+    assert p_value > 1e-3, p_value
 
 
 def test_sampled_children_under_chain_fallback(engine):

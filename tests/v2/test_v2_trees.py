@@ -132,6 +132,100 @@ def test_adaptive_tree_greedy_equals_no_speculation_on_v2(adaptive_tree_run, v2_
     _assert_tree_steps(adaptive_tree_run, 8)
 
 
+def pruned_tree_run(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Runs in the V2 host: greedy requests with the tree cost control on (this engine
+    turned it off) under a fixed cost model in which a node pays only where its path's
+    value beats ~0.1 of the step's rate (as V1's
+    ``tests/mtad/test_draft_model_tree_engine.py``); what the control kept, and the run's
+    tree counters and lengths the scheduler received."""
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+    from vllm_specx.testing.v2_engine import runner_of
+
+    spec = runner_of(llm).speculator
+    settings = spec.settings
+    spec.settings = {**settings, "cost_control": True}
+    try:
+        control = tree_cost_control_for(spec)
+        assert control is not None
+        control.fixed_costs = StepCosts(target_base=0.0, target_per_request=1.0,
+                                        target_per_token=0.1, draft_pass=0.0, draft_row=0.0)
+        run = run_tree(llm, prompts, [GREEDY] * len(prompts))
+    finally:
+        spec.settings = settings
+    run["control"] = control.describe()
+    run["reported"] = spec.specx_stats().get("tree_cost_control")
+    return run
+
+
+def test_adaptive_tree_cost_control_prunes_on_v2(adaptive_tree_run, v2_host, v2_reference):
+    """``adaptive`` with ``draft_tree`` and cost control (its default) on V2, a fixed cost
+    model: each request's tree is cut to the nodes that pay, to several sizes (some to
+    nothing), the scheduler receives the cut trees, and greedy output equals no
+    speculation (as on V1)."""
+    run = v2_host.call("adaptive-tree", f"{__name__}:pruned_tree_run", PROMPTS)
+    assert run["outputs"] == v2_reference
+    control = run["control"]
+    assert control["rounds"] > 0 and 0 < control["kept_nodes"] < control["drafted_nodes"], \
+        control
+    sizes = {int(k) for k, v in control["kept_histogram"].items() if v}
+    assert len(sizes) >= 2 and max(sizes) >= 2, sizes  # cut to different trees
+    # The scheduler got the cut trees (nothing longer than any request kept) ...
+    received = {n for step in run["received"] for n in step}
+    assert received <= sizes | {0} and max(received) >= 2, (received, sizes)
+    # ... and verified them as trees.
+    assert run["stats"]["tree_requests"] > 0 and run["stats"]["accepted"] > 0, run["stats"]
+    # The speculator reports its tree control (vllm-specx bench prints it).
+    assert run["reported"]["kept_nodes"] == control["kept_nodes"]
+
+
+def scripted_depth_run(llm: Any, prompts: list[list[int]],
+                       samplings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs in the V2 host: the batch with cost control on and its depth choice for the
+    sampled i.i.d. children scripted (0, 1, 2, 3, 3, ...); outputs, the depths chosen and
+    what the control counted."""
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+    from vllm_specx.testing.v2_engine import runner_of
+
+    spec = runner_of(llm).speculator
+    settings, spec._tree_cost = spec.settings, None
+    spec.settings = {**settings, "cost_control": True}
+    depths: list[int] = []
+
+    def scripted(num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+        depths.append([0, 1, 2, 3, 3][len(depths) % 5])
+        return min(depths[-1], max_depth)
+
+    try:
+        control = tree_cost_control_for(spec)
+        assert control is not None
+        control.choose_depth = scripted
+        run = run_tree(llm, prompts, samplings)
+    finally:
+        spec.settings, spec._tree_cost = settings, None
+    run["depths"] = depths
+    run["control"] = control.describe()
+    return run
+
+
+def test_adaptive_tree_sampled_children_at_depths_chosen_before_drafting_on_v2(
+        adaptive_tree_run, v2_host, v2_reference):
+    """A batch with a sampled request drafts i.i.d. children, which cost control does not
+    prune (that would bias the "sampled" rule): their depth is chosen before drafting
+    (scripted here, 0 included) and they are verified whole, on V2 as on V1
+    (``mtad_proposer.DraftTreeRound``); the greedy requests of the batch still give the
+    no-speculation tokens."""
+    run = v2_host.call("adaptive-tree", f"{__name__}:scripted_depth_run",
+                       [*PROMPTS, PROMPTS[1]], [GREEDY] * len(PROMPTS) + [SAMPLED])
+    assert run["outputs"][: len(PROMPTS)] == v2_reference
+    assert len(run["outputs"][-1]) == SAMPLED["max_tokens"]
+    assert {0, 1, 2, 3} <= set(run["depths"]), run["depths"]
+    control = run["control"]
+    assert control["whole_rounds"] > 0 and control["all_zero_rounds"] > 0, control
+    # Whole trees of 3, 6 and 8 nodes (3 a depth, the last 2) reached the scheduler.
+    assert {3, 6, 8} <= {n for step in run["received"] for n in step}, run["received"]
+
+
 # Sampled trees on V2: seeded 3-token samples at T = 1, top-k 2 (8 outcomes), on the
 # adaptive tree engine. The fixture draft is another model than the target, so q differs
 # from p and both acceptances and rejections happen. The engine computes in bfloat16 (vLLM's

@@ -34,6 +34,14 @@ or none. Then the largest-values argument fails (a group is an indivisible item)
 with ``s`` nodes, for each ``s``, per request) merged across requests by a max-plus
 convolution; still exact, ``O(N^2)`` in the nodes of those requests.
 
+Whole groups are not enough to keep the sampled rule lossless when the values read the
+groups' own draws: whether a node's children are verified must not depend on what they
+(or their descendants) drew. One child, ``q = p``, kept only when ``q`` of its token
+exceeds 0.5, with ``p = (0.7, 0.3)``: the first token comes out with probability
+``0.7 + 0.3 * 0.7 = 0.91``. So the engine uses :func:`prune_trees` on sampled trees only
+to learn what each depth would have been worth, and chooses their depth before drafting
+(``glue/tree_cost.TreeCostControl.verified_whole``).
+
 Depth before drafting
 ---------------------
 The drafter's passes are paid before the tree exists, so their number is chosen from

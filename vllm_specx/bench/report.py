@@ -236,7 +236,8 @@ def tree_cost_control_line(control: dict[str, Any]) -> str:
     return (
         f"kept {control.get('kept_nodes')} of {control.get('drafted_nodes')} drafted nodes "
         f"over {control.get('rounds')} rounds ({control.get('all_zero_rounds')} keeping none: "
-        f"plain steps; {control.get('unpruned_rounds')} not pruned), nodes kept per "
+        f"plain steps; {control.get('whole_rounds')} of sampled i.i.d. children verified whole "
+        f"at a depth chosen before drafting), nodes kept per "
         f"request-round {control.get('kept_histogram')}, acceptance scale "
         f"{control.get('acceptance_scale')}"
         + _skipped_text(control.get("idle_first_pass"))

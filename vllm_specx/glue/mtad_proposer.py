@@ -455,8 +455,8 @@ class MTADRound:
         # runner.requests, V2's request states.
         req_ids = list(start.req_ids if start.req_ids is not None
                        else runner.input_batch.req_ids[:num_reqs])
-        # Cost control (adaptive's draft_tree with cost_control, V1: DraftTreeProposer
-        # sets it for the round) keeps per request the nodes that pay (glue/tree_cost.py).
+        # Cost control (adaptive's draft_tree with cost_control: DraftTreeRound sets it
+        # for the round) keeps per request the nodes that pay (glue/tree_cost.py).
         control = getattr(self, "_round_tree_cost", None)
         kept = [torch.arange(int(n)) for n in n_nodes]
         if control is not None:
@@ -513,36 +513,52 @@ class MTADProposer(MTADRound, SpecxDraftModelProposer):
     skips_idle_first_pass = True
 
 
-class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
+class DraftTreeRound(MTADRound):
     """``adaptive`` with ``draft_tree``: a dynamic tree from the draft model, drafted by the
     MTAD round's batched beam passes (width ``branching``, depth ``max_depth``: the best
     ``branching`` continuations of the best paths per depth, deterministic for greedy
     requests, drawn without the verifier's randomness otherwise) and kept to ``max_nodes``
     nodes by joint draft probability. The runner hook hands it settings in MTAD's terms
     (:func:`tree_drafter_settings`); the sampler verifies with the lossless
-    ``"deterministic"`` tree rule, which needs no draft probabilities.
+    ``"deterministic"`` tree rule, which needs no draft probabilities. One round for both
+    runners: :class:`DraftTreeProposer` (V1) and ``glue/v2_speculators.py``'s
+    ``DraftTreeV2Speculator`` (Model Runner V2).
 
-    A batch with a sampled request drafts i.i.d. children instead (``"sampled_children"``,
-    on by default; ``glue/sampled_tree_round.py``), verified by the ``"sampled"`` rule with
-    the q rows the draws came from."""
+    * With ``cost_control`` (its default) the top-k tree is pruned per request to the
+      nodes that pay at the engine's measured costs, down to none (``glue/tree_cost.py``).
+    * A batch with a sampled request drafts i.i.d. children instead
+      (``"sampled_children"``, on by default; ``glue/sampled_tree_round.py``), verified by
+      the ``"sampled"`` rule with the q rows the draws came from. Those trees are not
+      pruned (the rule is lossless only where keeping a node's children does not depend
+      on what they drew): with ``cost_control`` their depth is chosen before drafting,
+      0 included, and they are verified whole."""
 
     def specx_stats(self) -> dict[str, Any]:
         """The round's stats, and the tree cost control's model and prunings when it ran
         (``vllm-specx bench`` prints them), as the EAGLE head trees report."""
-        return tree_cost_stats(self, super().specx_stats())
+        return tree_cost_stats(self, super().specx_stats())  # type: ignore[misc]
 
     # The tree cost control while a top-k round runs (read by _tree_round), else None.
     _round_tree_cost: Any = None
-    # The proposer's tree cost control (glue/tree_cost.tree_cost_control_for), made once.
+    # The drafter's tree cost control (glue/tree_cost.tree_cost_control_for), made once.
     _tree_cost: Any = None
     # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
     _sampled_q: torch.Tensor | None = None
     sampled_tree_rounds: int = 0
 
+    def may_draft_sampled_children(self) -> bool:
+        """Whether the runner's sampler reads the q rows of i.i.d. children (V1's specx
+        sampler always does; on V2 only the specx sampler, which a tree config installs)."""
+        return True
+
     def draft_round(  # type: ignore[override]
-        self, start: RoundStart, sampling_metadata: SamplingMetadata
+        self, start: RoundStart, sampling: Any
     ) -> Any:
-        from vllm_specx.glue.sampled_tree_round import sampled_tree_round, wants_sampled_tree
+        from vllm_specx.glue.sampled_tree_round import (
+            sampled_tree_depths,
+            sampled_tree_round,
+            wants_sampled_tree,
+        )
 
         self._sampled_q = None
         control = tree_cost_control_for(self) if self.tree_state is not None else None
@@ -551,16 +567,23 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
                 control.forget_interval()
             else:
                 control.begin(start.req_ids, start.num_rejected, start.target_tokens)
-        if self.tree_state is not None and wants_sampled_tree(self, sampling_metadata,
-                                                              start.num_reqs):
-            # i.i.d. children are not pruned yet (the sampled rule would need whole
-            # sibling groups and re-indexed q rows): the round's step is not timed.
-            if control is not None:
-                control.unpruned()
-            return sampled_tree_round(self, start, sampling_metadata)
+        if (self.tree_state is not None and self.may_draft_sampled_children()
+                and wants_sampled_tree(self, sampling, start.num_reqs)):
+            # i.i.d. children are not pruned (keeping a node's children or not by what
+            # they drew would bias the sampled rule): the control chooses the round's
+            # depth before they are drawn, from what each depth was worth in the last
+            # rounds, and the trees are verified whole at it (depth 0: a plain step).
+            depth = None
+            if control is not None and start.k > 0:
+                depth = control.choose_depth(start.num_reqs,
+                                             sampled_tree_depths(self.settings, start.k))
+                if depth == 0:
+                    control.skipped(start.req_ids or ())
+                    return start.no_drafts()
+            return sampled_tree_round(self, start, sampling, depth=depth, control=control)
         self._round_tree_cost = control if start.k > 0 else None
         try:
-            return super().draft_round(start, sampling_metadata)
+            return super().draft_round(start, sampling)  # type: ignore[misc]
         finally:
             self._round_tree_cost = None
 
@@ -569,10 +592,15 @@ class DraftTreeProposer(MTADRound, SpecxDraftModelProposer):
         # chains) then takes the one-hot rule, lossless for drafts chosen without the
         # verifier's randomness; the MTAD nodes' q would make the standard rule treat BFS
         # siblings as one chain drawn from q, which they are not. A sampled-children
-        # round hands each node's q row (siblings share their parent's).
+        # round hands each node's q row (siblings share their parent's), which tells the
+        # specx sampler to use the "sampled" rule.
         self._last_draft_probs = None
         q, self._sampled_q = self._sampled_q, None
         return q
+
+
+class DraftTreeProposer(DraftTreeRound, SpecxDraftModelProposer):
+    """``adaptive`` with ``draft_tree`` on vLLM's V1 runner (:class:`DraftTreeRound`)."""
 
 
 def tree_drafter_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The draft-model tree round for sampled requests: i.i.d. children for the ``"sampled"``
 tree rule (``adaptive`` with ``draft_tree``, ``"sampled_children"`` on, the default).
 
-:class:`~vllm_specx.glue.mtad_proposer.DraftTreeProposer` runs this round instead of its
+:class:`~vllm_specx.glue.mtad_proposer.DraftTreeRound` runs this round instead of its
 top-k beam tree whenever the batch has a sampled request (temperature > 0), the drafter
 shares the target's vocabulary and the knob is on. The tree is
 :func:`~vllm_specx.algorithms.sampled_tree.sampled_spine_tree` with the draft model as
@@ -32,6 +32,7 @@ import torch
 from vllm_specx.algorithms.beam_draft import greedy_mask_from_temperature, warp_logprobs
 from vllm_specx.algorithms.sampled_tree import depth_sizes, sampled_spine_tree
 from vllm_specx.glue.draft_passes import RoundStart
+from vllm_specx.glue.tree_cost import TreeCostControl
 from vllm_specx.methods import SAMPLED_CHILDREN_KEY, draft_model_tree, tree_max_nodes
 
 
@@ -48,13 +49,30 @@ def wants_sampled_tree(proposer: Any, sampling_metadata: Any, num_reqs: int) -> 
     return not bool(greedy.all())
 
 
-def sampled_tree_round(proposer: Any, start: RoundStart,
-                       sampling_metadata: Any) -> list[list[int]] | torch.Tensor:
+def sampled_tree_depths(settings: dict[str, Any], k: int) -> int:
+    """How many depths a round of i.i.d. children can draft: the shape's ``max_depth``
+    cut by the node budget (``min(max_nodes, K)``, ``branching`` nodes a depth); 0 for a
+    round with no budget."""
+    shape = draft_model_tree(settings)
+    assert shape is not None
+    budget = min(int(tree_max_nodes(settings) or 0), int(k))
+    if budget <= 0:
+        return 0
+    return len(depth_sizes(budget, int(shape["max_depth"]), int(shape["branching"])))
+
+
+def sampled_tree_round(proposer: Any, start: RoundStart, sampling_metadata: Any,
+                       depth: int | None = None, control: TreeCostControl | None = None,
+                       ) -> list[list[int]] | torch.Tensor:
     """Draft every request's tree (module docstring); returns each request's BFS tokens
-    and leaves the trees in the runner's ``TreeState`` and the q rows for the sampler."""
+    and leaves the trees in the runner's ``TreeState`` and the q rows for the sampler.
+    ``depth``: the round's depth, chosen before drafting by the tree cost ``control``
+    (None: the shape's ``max_depth``), which is then told what the trees were worth
+    (:meth:`TreeCostControl.verified_whole`); the trees are verified whole."""
     settings = proposer.settings
     shape = draft_model_tree(settings)
     assert shape is not None
+    max_depth = int(shape["max_depth"]) if depth is None else int(depth)
     num_reqs = start.num_reqs
     logits = proposer.model.compute_logits(start.out)
     proposer.last_sample_positions = start.sample_positions
@@ -84,7 +102,7 @@ def sampled_tree_round(proposer: Any, start: RoundStart,
         return warp(proposer.model.compute_logits(hidden))
 
     tree = sampled_spine_tree(
-        warp(logits), next_logprobs, max_nodes=budget, max_depth=int(shape["max_depth"]),
+        warp(logits), next_logprobs, max_nodes=budget, max_depth=max_depth,
         branching=int(shape["branching"]), greedy=greedy, generators=md.generators or None)
     n = tree.tokens.shape[1]
     proposer._sampled_q = tree.node_q().contiguous()
@@ -100,7 +118,11 @@ def sampled_tree_round(proposer: Any, start: RoundStart,
         live = runner.req_states.req_id_to_index
     proposer.tree_state.record_round(req_ids, list(tokens_cpu), list(parents_cpu),
                                      live_req_ids=live)
-    depth = len(depth_sizes(budget, int(shape["max_depth"]), int(shape["branching"])))
+    if control is not None:
+        control.verified_whole(req_ids, list(parents_cpu), list(tree.path_logq()),
+                               fed["passes"], fed["tokens"])
+        control.end(fed["passes"], fed["tokens"])
+    depth = len(depth_sizes(budget, max_depth, int(shape["branching"])))
     proposer.stats.record(num_reqs, depth, 1, start.first_tokens, fed["tokens"],
                           fed["passes"], request_passes=num_reqs + fed["tokens"])
     proposer.stats.tree_nodes += num_reqs * n

@@ -15,8 +15,11 @@ No vLLM import: the tree rounds (``glue/eagle_tree_proposer.py``, the draft-mode
   the ratio of the accepted path lengths to the predicted sum of ``q`` over the kept
   nodes, both with forgetting (about the last 50 request-steps), over a prior of ratio 1,
   clamped to ``[0.25, 2]``.
-* **Lossless**: any rooted subtree is lossless under the deterministic tree rule; the
-  sampled i.i.d. rule keeps whole sibling groups (``whole_groups``).
+* **Lossless**: any rooted subtree is lossless under the deterministic tree rule. The
+  sampled i.i.d. rule is lossless only where whether a node's children are verified does
+  not depend on what they drew, so those trees are not pruned: their depth is chosen
+  before drafting (:meth:`TreeCostControl.choose_depth`) and they are verified whole
+  (:meth:`TreeCostControl.verified_whole`).
 
 Tests inject a fixed model (:attr:`TreeCostControl.fixed_costs`), as the chain control's.
 """
@@ -70,7 +73,8 @@ class TreeCostStats:
     all_zero_rounds: int = 0
     drafted_nodes: int = 0
     kept_nodes: int = 0
-    unpruned_rounds: int = 0  # rounds the control did not prune (sampled i.i.d. trees)
+    # Rounds verified whole at the depth chosen before drafting (sampled i.i.d. trees).
+    whole_rounds: int = 0
     kept_histogram: dict[int, int] = field(default_factory=dict)  # kept nodes per request
 
 
@@ -174,6 +178,42 @@ class TreeCostControl:
             s.kept_histogram[n] = s.kept_histogram.get(n, 0) + 1
         return budget.keep
 
+    def verified_whole(self, req_ids: Sequence[str], parents: Sequence[torch.Tensor],
+                       path_logq: Sequence[torch.Tensor], passes: int, rows: int) -> None:
+        """A round whose trees are verified whole at the depth :meth:`choose_depth` chose
+        before drafting (i.i.d. children for the ``"sampled"`` rule: keeping or dropping a
+        node's children by what they drew would condition the draws the rule needs
+        unconditioned, so nothing is pruned after drafting). The step after it is timed
+        over every node; what each depth was worth is learnt from the whole-group subtree
+        that would have paid (the next rounds' depth choice reads it); the acceptance
+        scale is not (it calibrates the pruned top-k trees' ``q``, and the sampled rule
+        accepts differently)."""
+        par = [p.to("cpu", torch.int64).numpy() for p in parents]
+        q = [np.exp(s.to("cpu", torch.float64).numpy()) for s in path_logq]
+        values = [calibrated_path_values(p, qq, self.scale) for p, qq in zip(par, q)]
+        costs = self.step_costs()
+        drafted = any(len(p) for p in par)
+        budget = prune_trees(par, values, step_costs_paid(costs, drafted, passes, rows),
+                             step_costs_target(costs, len(par)),
+                             whole_groups=[True] * len(par))
+        total = int(sum(len(p) for p in par))
+        self._last = {rid: (0, 0.0) for rid in req_ids}
+        self._last_total = total
+        if self._probing:
+            self._probing = False
+            self.probe_every = (PROBE_EVERY if budget.total_nodes else
+                                min(2 * self.probe_every, MAX_PROBE_EVERY))
+        if par:
+            self._learn_depths(par, values, budget.keep, len(par))
+        s = self.stats
+        s.rounds += 1
+        s.whole_rounds += 1
+        s.all_zero_rounds += total == 0
+        s.drafted_nodes += total
+        s.kept_nodes += total
+        for p in par:
+            s.kept_histogram[len(p)] = s.kept_histogram.get(len(p), 0) + 1
+
     def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
                       keep: list[np.ndarray], num_reqs: int) -> None:
         deepest = max((int(node_depths(p).max()) for p in parents if len(p)), default=0)
@@ -237,14 +277,6 @@ class TreeCostControl:
         self.stats.kept_histogram[0] = self.stats.kept_histogram.get(0, 0) + len(req_ids)
         self.end(0, 0, drafted=False)
 
-    def unpruned(self) -> None:
-        """A round the control does not prune (after :meth:`begin`): neither it nor the
-        step after it is timed, nothing is learnt from that step."""
-        self.costs.forget_interval()
-        self._last = {}
-        self._last_total = None
-        self.stats.unpruned_rounds += 1
-
     def end(self, passes: int, rows: int, drafted: bool = True) -> None:
         self.costs.round_ends(drafted, passes, rows)
 
@@ -261,7 +293,7 @@ class TreeCostControl:
             "acceptance_scale": round(self.scale, 3),
             "probe_every": self.probe_every,
             "rounds": s.rounds, "all_zero_rounds": s.all_zero_rounds,
-            "unpruned_rounds": s.unpruned_rounds,
+            "whole_rounds": s.whole_rounds,
             "drafted_nodes": s.drafted_nodes, "kept_nodes": s.kept_nodes,
             "kept_histogram": {str(k): v for k, v in sorted(s.kept_histogram.items())},
         }

@@ -55,7 +55,7 @@ from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneAR
 
 from vllm_specx.glue.chain_drafter import ChainRound
 from vllm_specx.glue.draft_passes import DraftKVHoles, RoundStart, fed_tokens
-from vllm_specx.glue.mtad_proposer import MTADRound
+from vllm_specx.glue.mtad_proposer import DraftTreeRound, MTADRound
 
 # vLLM's slot id for "write no KV" (vllm.v1.worker.gpu.block_table's PAD_SLOT_ID).
 PAD_SLOT_ID = -1
@@ -492,42 +492,18 @@ class MTADV2Speculator(MTADRound, SpecxV2DraftSpeculator):
     skips_idle_first_pass = True
 
 
-class DraftTreeV2Speculator(MTADRound, SpecxV2DraftSpeculator):
-    """``adaptive`` with ``draft_tree`` on Model Runner V2: the V1 ``DraftTreeProposer``'s
-    rounds after vLLM's V2 first pass. Each request's tree reaches the scheduler as its
-    ragged draft list (BFS order) and the runner's tree state (``glue/v2_tree_step.py``)
-    verifies it as a tree.
+class DraftTreeV2Speculator(DraftTreeRound, SpecxV2DraftSpeculator):
+    """``adaptive`` with ``draft_tree`` on Model Runner V2: V1's round
+    (``mtad_proposer.DraftTreeRound``: the top-k tree pruned by cost control, or i.i.d.
+    children for a sampled batch) after vLLM's V2 first pass. Each request's tree reaches
+    the scheduler as its ragged draft list (BFS order; a request pruned to nothing as an
+    empty one) and the runner's tree state (``glue/v2_tree_step.py``) verifies it as a
+    tree. The i.i.d. children's q rows (``[R, N, V]``) reach the specx sampler by
+    request-state row (``store_draft_q``), which then verifies those trees with the
+    ``"sampled"`` (SpecInfer) rule (``SpecxV2RejectionSampler.verify_trees``), as V1's
+    sampler does."""
 
-    * An all-greedy batch (or ``"sampled_children": false``) drafts the top-k tree: the
-      MTAD round's beam passes in the tree drafter's settings
-      (``mtad_proposer.tree_drafter_settings``), verified by the ``"deterministic"`` rule,
-      which reads no q.
-    * A batch with a sampled request drafts i.i.d. children (``glue/sampled_tree_round.py``,
-      the V1 round itself over :class:`V2LookaheadPasses`); each node's q row (``[R, N,
-      V]``) reaches the specx sampler by request-state row (``store_draft_q``), which then
-      verifies those trees with the ``"sampled"`` (SpecInfer) rule
-      (``SpecxV2RejectionSampler.verify_trees``), as V1's sampler does."""
-
-    # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
-    _sampled_q: torch.Tensor | None = None
-    sampled_tree_rounds: int = 0
-
-    def draft_round(self, start: RoundStart, sampling: Any) -> Any:  # type: ignore[override]
-        from vllm_specx.glue.sampled_tree_round import sampled_tree_round, wants_sampled_tree
-
-        self._sampled_q = None
+    def may_draft_sampled_children(self) -> bool:
         # Only with the specx sampler on V2: it is what reads the q rows (a tree config
         # always installs it; without it the i.i.d. children would meet a one-hot rule).
-        if (self.tree_state is not None and self.sampler_reads_draft_probs
-                and wants_sampled_tree(self, sampling, start.num_reqs)):
-            return sampled_tree_round(self, start, sampling)
-        return super().draft_round(start, sampling)
-
-    def take_last_draft_probs(self) -> torch.Tensor | None:
-        # A top-k round hands no q, as on V1 (DraftTreeProposer): the lossless
-        # "deterministic" tree rule reads none, and a step verified as chains takes the
-        # one-hot rule. A sampled-children round hands each node's q row (siblings share
-        # their parent's), which tells the specx sampler to use the "sampled" rule.
-        self._last_draft_probs = None
-        q, self._sampled_q = self._sampled_q, None
-        return q
+        return self.sampler_reads_draft_probs
