@@ -69,24 +69,6 @@ def test_the_spine_tree_shape_rows_and_expanded_nodes():
     assert torch.equal(node_q[:, 4], tree.q[:, 1])
 
 
-def test_path_logq_sums_each_nodes_draw_and_its_ancestors():
-    # Reference: walk each node's parents, adding log q[depth row][token] of every node.
-    g = torch.Generator().manual_seed(3)
-    q_table = random_table(g, 7, 7, zeros=1)
-    roots = torch.tensor([0, 3, 5])
-    tree, _ = _bigram_tree(q_table, roots, torch.tensor([False, True, False]), (8, 3, 3))
-    got = tree.path_logq()
-    assert got.shape == tree.tokens.shape
-    for r in range(3):
-        for i in range(tree.tokens.shape[1]):
-            want, node = 0.0, i
-            while node >= 0:
-                depth = int(tree.depth_of_node[node])
-                want += float(tree.q[r, depth, tree.tokens[r, node]].log())
-                node = int(tree.parents[r, node])
-            assert abs(float(got[r, i]) - want) < 1e-5, (r, i)
-
-
 def test_draws_are_iid_with_replacement_and_seeded_rows_use_their_generator():
     probs = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 2).log()
     greedy = torch.tensor([False, False])

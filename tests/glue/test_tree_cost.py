@@ -129,38 +129,37 @@ def test_depth_zero_chosen_before_the_first_pass_pays_the_skip_debt():
     assert control.choose_depth(1, 3) == 0
 
 
-def _spine(depths: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A spine of bushes (i.i.d. children, ``algorithms/sampled_tree.py``), 2 nodes a
-    depth, the first of each depth expanded; each draw's q 0.5: path q 0.5 ** depth."""
-    parents = [-1, -1] + [2 * d - 2 for d in range(1, depths) for _ in range(2)]
-    logq = [d * torch.log(torch.tensor(0.5)).item() for d in range(1, depths + 1)
-            for _ in range(2)]
-    return torch.tensor(parents), torch.tensor(logq)
-
-
-def test_trees_verified_whole_are_timed_whole_and_teach_the_depth():
-    # Sampled i.i.d. children are verified whole at the depth chosen before drafting:
-    # the control prunes nothing, times the next step over every node, learns no
-    # acceptance scale from them, and learns what each depth would have been worth (in
-    # whole groups): with a node costing 0.3 of a step, depth 1 pays (0.5 + 0.5 per
-    # request for 0.6) and deeper ones do not, so the next rounds draft depth 1 (with
-    # full-depth probes).
-    parents, logq = _spine(3)
+def test_trees_verified_whole_learn_each_depth_from_their_accepted_paths():
+    # Sampled i.i.d. children are verified whole at a depth chosen before drafting: the
+    # control prunes nothing, times the next step over every node, and learns what each
+    # depth was worth from how often the accepted paths reached it (not from q, and not
+    # into the top-k trees' acceptance scale or depth table).
     control = TreeCostControl()
-    control.fixed_costs = StepCosts(0.0, 1.0, 0.3, 0.0, 0.0)
-    assert control.choose_depth(1, 3) == 3  # nothing measured yet
-    control.verified_whole(["a"], [parents], [logq], 2, 2)
-    assert control._last_total == 6 and control._last == {"a": (0, 0.0)}
-    assert control.stats.kept_nodes == control.stats.drafted_nodes == 6
-    assert control.stats.whole_rounds == 1 and control.describe()["whole_rounds"] == 1
-    control.begin(["a"], torch.tensor([4]), 1 + 6)  # all accepted but 4: no scale learnt
-    assert control.scale == 1.0
-    depths = [control.choose_depth(1, 3) for _ in range(2 * PROBE_EVERY)]
-    assert depths.count(1) >= 2 * PROBE_EVERY - 2 and 3 in depths, depths
-    # Cheap nodes: the deeper groups pay too, and the full depth comes back.
-    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)
-    control.verified_whole(["a"], [parents], [logq], 2, 2)
-    assert control.choose_depth(1, 3) == 3
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.1, 0.0, 0.0)
+    assert control.choose_depth(2, 3, whole=True) == 3  # nothing measured yet
+    control.verified_whole(["a", "b"], [2, 2, 2])
+    assert control._last_total == 12
+    stats = control.stats
+    assert stats.whole_rounds == 1 and stats.kept_nodes == stats.drafted_nodes == 12
+    assert control.describe()["whole_rounds"] == 1
+    control.begin(["a", "b"], torch.tensor([5, 6]), 2 + 12)  # "a" accepted 1 node, "b" 0
+    assert control._whole_value == [0.5, 0.0, 0.0]
+    assert control._whole_nodes == [2.0, 2.0, 2.0]
+    assert control.scale == 1.0 and control._depth_value == []
+    # Depth 1 pays (2 + 1 tokens for 1 + 0.4 of a step each), deeper depths add nodes and
+    # nothing else: depth 1 until the next full-depth probe.
+    depths = [control.choose_depth(2, 3, whole=True) for _ in range(PROBE_EVERY)]
+    assert depths == [1] * (PROBE_EVERY - 1) + [3], depths
+    # The probe's paths again reach no deeper than depth 1: the full depth still does not
+    # pay, so the next probe waits twice as long.
+    control.verified_whole(["a", "b"], [2, 2, 2])
+    control.begin(["a", "b"], torch.tensor([6, 5]), 2 + 12)
+    assert control.probe_every == 2 * PROBE_EVERY
+    # A step that did not verify the whole trees (another node count) teaches nothing.
+    before = list(control._whole_value)
+    control.verified_whole(["a", "b"], [2, 2, 2])
+    control.begin(["a", "b"], torch.tensor([0, 0]), 2 + 5)
+    assert control._whole_value == before
 
 
 def test_bench_report_prints_what_the_tree_control_kept():

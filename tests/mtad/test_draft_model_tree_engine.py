@@ -4,6 +4,8 @@ engine. The draft is the target itself (deep accepted paths off the first BFS no
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from mtad_reference import greedy_generate
@@ -183,7 +185,8 @@ def test_sampled_children_at_depths_chosen_before_drafting(pair, engine):  # noq
     assert control is not None
     depths: list[int] = []
 
-    def scripted(num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+    def scripted(num_reqs: int, max_depth: int, **kwargs: Any) -> int:
+        assert kwargs == {"whole": True}, kwargs
         assert max_depth == 3
         depths.append([0, 1, 2, 3, 3][len(depths) % 5])
         return depths[-1]

@@ -192,7 +192,8 @@ def scripted_depth_run(llm: Any, prompts: list[list[int]],
     spec.settings = {**settings, "cost_control": True}
     depths: list[int] = []
 
-    def scripted(num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+    def scripted(num_reqs: int, max_depth: int, **kwargs: Any) -> int:
+        assert kwargs == {"whole": True}, kwargs
         depths.append([0, 1, 2, 3, 3][len(depths) % 5])
         return min(depths[-1], max_depth)
 

@@ -90,24 +90,6 @@ class SampledTree:
         """``[R, N, V]``: each node's q row (siblings share their parent's)."""
         return self.q.index_select(1, self.depth_of_node.to(self.q.device))
 
-    def path_logq(self) -> torch.Tensor:
-        """``[R, N]`` float32: the log draft probability of each node's path, its own
-        draw's ``q`` plus its ancestors' (a duplicate draw of a sibling's token counts as
-        its own path). A cost control reads it to learn what each depth was worth; it must
-        not choose which of a node's i.i.d. children to keep from it, nor whether to keep
-        them (that choice would read the draws the sampled rule needs unconditioned)."""
-        num_reqs, depths, vocab = self.q.shape
-        # q[r, depth_of_node[i], tokens[r, i]], read without the [R, N, V] rows.
-        flat = self.depth_of_node.to(self.q.device) * vocab + self.tokens
-        rows = self.q.reshape(num_reqs, depths * vocab).gather(1, flat)  # [R, N]
-        own = rows.to(torch.float32).clamp_min(1e-30).log()
-        path = own.clone()
-        for i in range(1, own.shape[1]):  # BFS: a parent precedes its children
-            parent = self.parents[:, i]
-            above = path.gather(1, parent.clamp(min=0).unsqueeze(1)).squeeze(1)
-            path[:, i] = own[:, i] + torch.where(parent >= 0, above, torch.zeros_like(above))
-        return path
-
 
 def sampled_spine_tree(
     first_logprobs: torch.Tensor,

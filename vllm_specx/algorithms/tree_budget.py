@@ -38,9 +38,9 @@ Whole groups are not enough to keep the sampled rule lossless when the values re
 groups' own draws: whether a node's children are verified must not depend on what they
 (or their descendants) drew. One child, ``q = p``, kept only when ``q`` of its token
 exceeds 0.5, with ``p = (0.7, 0.3)``: the first token comes out with probability
-``0.7 + 0.3 * 0.7 = 0.91``. So the engine uses :func:`prune_trees` on sampled trees only
-to learn what each depth would have been worth, and chooses their depth before drafting
-(``glue/tree_cost.TreeCostControl.verified_whole``).
+``0.7 + 0.3 * 0.7 = 0.91``. So the engine does not prune sampled trees after drafting: it
+chooses their depth before drafting from how often earlier rounds' accepted paths reached
+each depth (``glue/tree_cost.TreeCostControl.verified_whole``).
 
 Depth before drafting
 ---------------------

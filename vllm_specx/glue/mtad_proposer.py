@@ -571,12 +571,14 @@ class DraftTreeRound(MTADRound):
                 and wants_sampled_tree(self, sampling, start.num_reqs)):
             # i.i.d. children are not pruned (keeping a node's children or not by what
             # they drew would bias the sampled rule): the control chooses the round's
-            # depth before they are drawn, from what each depth was worth in the last
-            # rounds, and the trees are verified whole at it (depth 0: a plain step).
+            # depth before they are drawn, from how often the last whole rounds'
+            # accepted paths reached each depth, and the trees are verified whole at it
+            # (depth 0: a plain step).
             depth = None
             if control is not None and start.k > 0:
                 depth = control.choose_depth(start.num_reqs,
-                                             sampled_tree_depths(self.settings, start.k))
+                                             sampled_tree_depths(self.settings, start.k),
+                                             whole=True)
                 if depth == 0:
                     control.skipped(start.req_ids or ())
                     return start.no_drafts()

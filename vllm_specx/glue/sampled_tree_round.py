@@ -67,8 +67,9 @@ def sampled_tree_round(proposer: Any, start: RoundStart, sampling_metadata: Any,
     """Draft every request's tree (module docstring); returns each request's BFS tokens
     and leaves the trees in the runner's ``TreeState`` and the q rows for the sampler.
     ``depth``: the round's depth, chosen before drafting by the tree cost ``control``
-    (None: the shape's ``max_depth``), which is then told what the trees were worth
-    (:meth:`TreeCostControl.verified_whole`); the trees are verified whole."""
+    (None: the shape's ``max_depth``), which then learns from their verification what
+    each depth was worth (:meth:`TreeCostControl.verified_whole`); the trees are verified
+    whole."""
     settings = proposer.settings
     shape = draft_model_tree(settings)
     assert shape is not None
@@ -118,11 +119,11 @@ def sampled_tree_round(proposer: Any, start: RoundStart, sampling_metadata: Any,
         live = runner.req_states.req_id_to_index
     proposer.tree_state.record_round(req_ids, list(tokens_cpu), list(parents_cpu),
                                      live_req_ids=live)
+    sizes = depth_sizes(budget, max_depth, int(shape["branching"]))
     if control is not None:
-        control.verified_whole(req_ids, list(parents_cpu), list(tree.path_logq()),
-                               fed["passes"], fed["tokens"])
+        control.verified_whole(req_ids, sizes)
         control.end(fed["passes"], fed["tokens"])
-    depth = len(depth_sizes(budget, max_depth, int(shape["branching"])))
+    depth = len(sizes)
     proposer.stats.record(num_reqs, depth, 1, start.first_tokens, fed["tokens"],
                           fed["passes"], request_passes=num_reqs + fed["tokens"])
     proposer.stats.tree_nodes += num_reqs * n

@@ -95,6 +95,14 @@ class TreeCostControl:
         # the rounds that drafted that depth (None: never drafted yet).
         self._depth_value: list[float | None] = []
         self._depth_nodes: list[float | None] = []
+        # The same for trees verified whole (sampled i.i.d. children): per depth the
+        # fraction of request-rounds whose accepted path reached it, and its nodes,
+        # learnt from the verified steps (verified_whole, then begin).
+        self._whole_value: list[float | None] = []
+        self._whole_nodes: list[float | None] = []
+        # The last whole round: request id -> its nodes per depth; whether it probed.
+        self._whole_last: dict[str, list[int]] = {}
+        self._whole_probe = False
         self._since_full = 0
         self.probe_every = PROBE_EVERY  # rounds between full-depth probes (backs off)
         self._probing = False  # this round is a full-depth probe, not yet pruned
@@ -120,9 +128,13 @@ class TreeCostControl:
             # or dropped tree would change the count: not this step's cost or acceptance).
             nodes = target_tokens - num_reqs
         self.costs.round_begins(num_reqs, nodes)
+        whole, self._whole_last = self._whole_last, {}
         if nodes is None or req_ids is None or num_rejected is None:
             return
         rejected = num_rejected.to("cpu").tolist()[:num_reqs]
+        if whole:
+            self._learn_whole(req_ids, rejected, whole)
+            return
         for rid, rej in zip(req_ids, rejected):
             kept, q_sum = self._last.get(rid, (0, 0.0))
             if kept == 0:
@@ -178,41 +190,67 @@ class TreeCostControl:
             s.kept_histogram[n] = s.kept_histogram.get(n, 0) + 1
         return budget.keep
 
-    def verified_whole(self, req_ids: Sequence[str], parents: Sequence[torch.Tensor],
-                       path_logq: Sequence[torch.Tensor], passes: int, rows: int) -> None:
+    def verified_whole(self, req_ids: Sequence[str], depth_sizes: Sequence[int]) -> None:
         """A round whose trees are verified whole at the depth :meth:`choose_depth` chose
-        before drafting (i.i.d. children for the ``"sampled"`` rule: keeping or dropping a
-        node's children by what they drew would condition the draws the rule needs
-        unconditioned, so nothing is pruned after drafting). The step after it is timed
-        over every node; what each depth was worth is learnt from the whole-group subtree
-        that would have paid (the next rounds' depth choice reads it); the acceptance
-        scale is not (it calibrates the pruned top-k trees' ``q``, and the sampled rule
-        accepts differently)."""
-        par = [p.to("cpu", torch.int64).numpy() for p in parents]
-        q = [np.exp(s.to("cpu", torch.float64).numpy()) for s in path_logq]
-        values = [calibrated_path_values(p, qq, self.scale) for p, qq in zip(par, q)]
-        costs = self.step_costs()
-        drafted = any(len(p) for p in par)
-        budget = prune_trees(par, values, step_costs_paid(costs, drafted, passes, rows),
-                             step_costs_target(costs, len(par)),
-                             whole_groups=[True] * len(par))
-        total = int(sum(len(p) for p in par))
+        before drafting (``whole=True``; i.i.d. children for the ``"sampled"`` rule:
+        keeping or dropping a node's children by what they drew would condition the draws
+        the rule needs unconditioned, so nothing is pruned after drafting). Every request
+        drafted ``depth_sizes`` nodes a depth. The step after it is timed over every node,
+        and what each depth was worth is learnt from that step's verification
+        (:meth:`begin`): how often the accepted path reached it, not the draft's ``q``
+        (``b`` i.i.d. draws of one token are one chance, not ``b``; and the acceptance
+        scale calibrates the top-k trees' ``q``)."""
+        sizes = [int(n) for n in depth_sizes]
+        total = sum(sizes) * len(req_ids)
         self._last = {rid: (0, 0.0) for rid in req_ids}
         self._last_total = total
-        if self._probing:
-            self._probing = False
-            self.probe_every = (PROBE_EVERY if budget.total_nodes else
-                                min(2 * self.probe_every, MAX_PROBE_EVERY))
-        if par:
-            self._learn_depths(par, values, budget.keep, len(par))
+        self._whole_last = {rid: sizes for rid in req_ids}
+        self._whole_probe, self._probing = self._probing, False
         s = self.stats
         s.rounds += 1
         s.whole_rounds += 1
         s.all_zero_rounds += total == 0
         s.drafted_nodes += total
         s.kept_nodes += total
-        for p in par:
-            s.kept_histogram[len(p)] = s.kept_histogram.get(len(p), 0) + 1
+        s.kept_histogram[sum(sizes)] = s.kept_histogram.get(sum(sizes), 0) + len(req_ids)
+
+    def _learn_whole(self, req_ids: Sequence[str], rejected: Sequence[int],
+                     drafted: dict[str, list[int]]) -> None:
+        """What each depth of the last whole round was worth: per depth, the fraction of
+        its requests whose accepted path reached it (``rejected``: the verified nodes less
+        the accepted path, per row), and its nodes; forgetting per round as for the pruned
+        trees. A full-depth probe whose trees, valued so, still would not pay at the
+        full depth doubles the wait for the next (as a pruned probe kept to nothing)."""
+        deepest = max((len(v) for v in drafted.values()), default=0)
+        reached = np.zeros(deepest)
+        tried = np.zeros(deepest)
+        nodes = np.zeros(deepest)
+        for rid, rej in zip(req_ids, rejected):
+            sizes = drafted.get(rid)
+            if not sizes:
+                continue
+            accepted = min(max(sum(sizes) - int(rej), 0), len(sizes))
+            depth = len(sizes)
+            tried[:depth] += 1.0
+            reached[:accepted] += 1.0
+            nodes[:depth] += sizes
+        while len(self._whole_value) < deepest:
+            self._whole_value.append(None)
+            self._whole_nodes.append(None)
+        a = DEPTH_FORGETTING
+        for i in range(deepest):
+            if tried[i] == 0:
+                continue
+            per_v, per_n = reached[i] / tried[i], nodes[i] / tried[i]
+            old_v, old_n = self._whole_value[i], self._whole_nodes[i]
+            self._whole_value[i] = per_v if old_v is None else a * old_v + (1 - a) * per_v
+            self._whole_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
+        if self._whole_probe:
+            self._whole_probe = False
+            active = max(len(drafted), 1)
+            pays = self._best_depth(active, deepest, True, False) == deepest
+            self.probe_every = (PROBE_EVERY if pays else
+                                min(2 * self.probe_every, MAX_PROBE_EVERY))
 
     def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
                       keep: list[np.ndarray], num_reqs: int) -> None:
@@ -234,7 +272,7 @@ class TreeCostControl:
             self._depth_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
 
     def choose_depth(self, num_reqs: int, max_depth: int,
-                     skips_first_pass: bool = False) -> int:
+                     skips_first_pass: bool = False, whole: bool = False) -> int:
         """Tree depth to draft this round, before any head pass (``choose_tree_depth``):
         depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing. A
         depth never drafted yet counts as paying (it is drafted and measured), and every
@@ -242,10 +280,12 @@ class TreeCostControl:
         nothing, up to :data:`MAX_PROBE_EVERY`) the full depth is drafted again.
         ``num_reqs``: the requests that may draft (0: depth 0, no probe).
         ``skips_first_pass``: chosen before the first pass, which depth 0 then skips
-        (its KV caught up later: ``skip_debt`` per request is depth 0's cost)."""
+        (its KV caught up later: ``skip_debt`` per request is depth 0's cost).
+        ``whole``: for trees verified whole (:meth:`verified_whole`), valued by how often
+        their accepted paths reached each depth; else the pruned trees' kept values."""
         if num_reqs <= 0:
             return 0
-        known = self._depth_value[:max_depth]
+        known = (self._whole_value if whole else self._depth_value)[:max_depth]
         if len(known) < max_depth or any(v is None for v in known):
             return max_depth
         self._since_full += 1
@@ -253,19 +293,26 @@ class TreeCostControl:
             self._since_full = 0
             self._probing = True
             return max_depth
-        costs = self.step_costs()
-        pass_cost = costs.draft_pass + costs.draft_row * num_reqs
-        depth = choose_tree_depth(
-            [num_reqs * float(v) for v in known],
-            [int(round(num_reqs * float(n))) for n in self._depth_nodes[:max_depth]],
-            num_reqs, costs.fixed,
-            [costs.draft_round] + [pass_cost] * (max_depth - 1),
-            step_costs_target(costs, num_reqs),
-            skip_cost=costs.skip_debt * num_reqs if skips_first_pass else 0.0)
+        depth = self._best_depth(num_reqs, max_depth, whole, skips_first_pass)
         if depth == max_depth:
             self._since_full = 0
             self.probe_every = PROBE_EVERY  # the full depth pays: probes at the usual pace
         return depth
+
+    def _best_depth(self, num_reqs: int, max_depth: int, whole: bool,
+                    skips_first_pass: bool) -> int:
+        """``choose_tree_depth`` over the learnt per-depth values (all known)."""
+        values = self._whole_value if whole else self._depth_value
+        nodes = self._whole_nodes if whole else self._depth_nodes
+        costs = self.step_costs()
+        pass_cost = costs.draft_pass + costs.draft_row * num_reqs
+        return choose_tree_depth(
+            [num_reqs * float(v or 0.0) for v in values[:max_depth]],
+            [int(round(num_reqs * float(n or 0.0))) for n in nodes[:max_depth]],
+            num_reqs, costs.fixed,
+            [costs.draft_round] + [pass_cost] * (max_depth - 1),
+            step_costs_target(costs, num_reqs),
+            skip_cost=costs.skip_debt * num_reqs if skips_first_pass else 0.0)
 
     def skipped(self, req_ids: Sequence[str]) -> None:
         """A round that drafted nothing (depth 0): its step verifies no node; the round
