@@ -84,14 +84,26 @@ class ScriptedTreeDepths:
     def __init__(self) -> None:
         self.step = 0
 
-    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False) -> int:
+    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False,
+                 whole: bool = False) -> int:
         self.step += 1
         idle = self.step % 4 == 3 or 8 <= self.step % 16 <= 11
         return 0 if idle or num_reqs == 0 else max_depth
 
 
-def scripted_tree_control(drafter: Any) -> Any:
-    """A new tree cost control on a head-tree ``drafter`` with a fixed cost model under
+class ScriptedShortTreeDepths(ScriptedTreeDepths):
+    """Depth 0 on steps 2-3 of every 4, the full depth on the others: runs of two
+    depth-0 rounds in requests of only a few rounds (a draft the target accepts)."""
+
+    def __call__(self, num_reqs: int, max_depth: int, skips_first_pass: bool = False,
+                 whole: bool = False) -> int:
+        self.step += 1
+        return 0 if self.step % 4 in (2, 3) or num_reqs == 0 else max_depth
+
+
+def scripted_tree_control(drafter: Any, depths: Callable[[], Any] = ScriptedTreeDepths
+                          ) -> Any:
+    """A new tree cost control on a tree ``drafter`` with a fixed cost model under
     which nearly every drafted node pays (a verified node costs 1e-4 of a step: the
     trees stay trees) and :class:`ScriptedTreeDepths` choosing its depths: the tree
     analogue of :func:`scripted_control`."""
@@ -101,7 +113,7 @@ def scripted_tree_control(drafter: Any) -> Any:
     drafter._tree_cost = None
     control = tree_cost_control_for(drafter)
     control.fixed_costs = StepCosts(**{**MEMORY_BOUND, "target_per_token": 1e-4})
-    control.choose_depth = ScriptedTreeDepths()
+    control.choose_depth = depths()
     return control
 
 
@@ -125,7 +137,8 @@ def _drafted(drafter: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
                    params: Any, max_hole: int | None = None,
                    fresh_prefix_cache: bool = False, tree: bool = False,
-                   rates: Callable[[int], Any] = ScriptedIdleRates) -> dict[str, Any]:
+                   rates: Callable[[int], Any] = ScriptedIdleRates,
+                   tree_depths: Callable[[], Any] = ScriptedTreeDepths) -> dict[str, Any]:
     """Generate ``prompts`` twice under the same scripted plans: once skipping the
     head's first pass on all-zero steps (its KV caught up later, in passes of at most 3
     tokens, with the hole bookkeeping in 4-position blocks so skipped steps also catch up
@@ -136,9 +149,11 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
     before each run (and after the last), so both runs compute the prompts in the same
     steps. The drafter's settings are restored afterwards. Runs where the engine is: a
     V1 engine in the test process, or a Model Runner V2 one in the V2 host (its
-    speculator as ``drafter``). ``tree``: ``drafter`` drafts head trees; the tree cost
-    control's depths are scripted instead (:func:`scripted_tree_control`). ``rates``: the
-    scripted acceptance's class (:class:`ScriptedIdleRates` unless given)."""
+    speculator as ``drafter``). ``tree``: ``drafter`` drafts trees (a head's, or
+    ``adaptive``'s draft-model tree); the tree cost control's depths are scripted instead
+    (:func:`scripted_tree_control`). ``rates``: the
+    scripted acceptance's class (:class:`ScriptedIdleRates` unless given); ``tree_depths``
+    the scripted tree depths' (:class:`ScriptedTreeDepths` unless given)."""
 
     saved = dict(drafter.settings)
     saved_tree_control = getattr(drafter, "_tree_cost", None)
@@ -168,7 +183,7 @@ def run_idle_steps(llm: Any, drafter: Any, k: int, prompts: list[list[int]],
 
     def fresh_control() -> Any:
         if tree:
-            return scripted_tree_control(drafter)
+            return scripted_tree_control(drafter, tree_depths)
         return scripted_control(drafter, k, rates(k))
 
     drafter._kv_holes = None  # a fresh hole record: its stats are this call's

@@ -98,6 +98,26 @@ def test_cost_control_prunes_trees_and_equals_no_speculation(pair, engine):  # n
     assert stats["tree_cost_control"]["kept_nodes"] == control.stats.kept_nodes
 
 
+def test_depth_zero_rounds_skip_the_draft_models_first_pass(pair, engine):  # noqa: F811
+    """With cost control (its default) the tree's depth is chosen before the first pass,
+    and a round of depth 0 is a plain step that skips the draft model's first pass; the
+    draft KV it leaves unwritten is caught up before the next first pass that runs
+    (``DraftKVHoles``, as for ``adaptive``'s chains), block ends included. Depths scripted
+    (``idle_steps.ScriptedTreeDepths``: runs of one and four depth-0 rounds): every tree
+    drafted after a skip, and every first pass's output, equals that with every first pass
+    run (they differ when the catch-up writes nothing), and greedy output equals no
+    speculation."""
+    from idle_steps import check_idle_steps, run_idle_steps
+    from vllm import SamplingParams
+
+    _, target = pair
+    prompts = prompts_of([6, 17, 25, 9], seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    idle = run_idle_steps(engine.llm, engine.runner.drafter, 8, prompts, params,
+                          fresh_prefix_cache=True, tree=True)
+    check_idle_steps(idle, [greedy_generate(target, p, 16) for p in prompts])
+
+
 N_STAT = 400  # seeded 3-token samples, top-k 3 at T = 1: 27 outcomes
 
 
@@ -186,7 +206,7 @@ def test_sampled_children_at_depths_chosen_before_drafting(pair, engine):  # noq
     depths: list[int] = []
 
     def scripted(num_reqs: int, max_depth: int, **kwargs: Any) -> int:
-        assert kwargs == {"whole": True}, kwargs
+        assert kwargs.get("whole") is True, kwargs  # the sampled rounds' table
         assert max_depth == 3
         depths.append([0, 1, 2, 3, 3][len(depths) % 5])
         return depths[-1]
@@ -207,7 +227,8 @@ def test_sampled_children_at_depths_chosen_before_drafting(pair, engine):  # noq
         del engine.state.record_round
         drafter._tree_cost = None
     assert {0, 1, 2, 3} <= set(depths)
-    assert set(received) == {3, 6, 8}, set(received)  # 3 a depth, the last depth 2
+    # 3 a depth, the last depth 2; depth 0 records empty trees (its first pass skipped).
+    assert set(received) == {0, 3, 6, 8}, set(received)
     stats = control.stats
     assert stats.whole_rounds > 0 and stats.all_zero_rounds > 0, stats
     assert stats.kept_nodes == stats.drafted_nodes == sum(received)

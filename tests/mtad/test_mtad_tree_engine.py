@@ -54,6 +54,7 @@ class TreeEngine:
             block_size=32,
             enable_prefix_caching=True,
             num_gpu_blocks_override=9,  # small: requests get preempted
+            disable_log_stats=False,  # vLLM's spec-decode counters (tests/idle_steps.py)
         )
         self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.state = self.runner.specx_tree_state

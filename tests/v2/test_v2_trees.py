@@ -193,7 +193,7 @@ def scripted_depth_run(llm: Any, prompts: list[list[int]],
     depths: list[int] = []
 
     def scripted(num_reqs: int, max_depth: int, **kwargs: Any) -> int:
-        assert kwargs == {"whole": True}, kwargs
+        assert kwargs.get("whole") is True, kwargs  # the sampled rounds' table
         depths.append([0, 1, 2, 3, 3][len(depths) % 5])
         return min(depths[-1], max_depth)
 
@@ -225,6 +225,39 @@ def test_adaptive_tree_sampled_children_at_depths_chosen_before_drafting_on_v2(
     assert control["whole_rounds"] > 0 and control["all_zero_rounds"] > 0, control
     # Whole trees of 3, 6 and 8 nodes (3 a depth, the last 2) reached the scheduler.
     assert {3, 6, 8} <= {n for step in run["received"] for n in step}, run["received"]
+
+
+def idle_tree_run(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Runs in the V2 host: the adaptive tree with its depth scripted to 0 on runs of
+    rounds (tests/idle_steps.py), skipping the draft model's first pass there."""
+    from idle_steps import ScriptedShortTreeDepths, run_idle_steps
+    from vllm import SamplingParams
+
+    from vllm_specx.testing.v2_engine import runner_of
+
+    spec = runner_of(llm).speculator
+    return run_idle_steps(llm, spec, int(spec.num_speculative_steps), prompts,
+                          SamplingParams(**GREEDY), fresh_prefix_cache=True, tree=True,
+                          tree_depths=ScriptedShortTreeDepths)
+
+
+def test_adaptive_tree_rounds_of_depth_zero_skip_the_first_pass_on_v2(
+        adaptive_tree_run, v2_host, v2_heldout_reference):
+    """``adaptive`` with ``draft_tree`` on V2, its cost control choosing depth 0 (scripted)
+    on runs of two rounds before V2's first pass: those steps skip it, the draft
+    KV is caught up before the next one (as V1, and as V2's chains), every tree and
+    first-pass output equals that with every first pass run, and greedy output equals no
+    speculation."""
+    from idle_steps import check_idle_steps
+    from v2_cases import heldout_prompts
+
+    # Three held-out prompts (5, 33 and 17 tokens: one step prefills them all), on which
+    # drafts are accepted. With a prompt in chunked prefill the first round's drafts for
+    # it (discarded: it is still prefilling) differed between the two runs on V2.
+    rows = (0, 1, 3)
+    prompts = [heldout_prompts()[i] for i in rows]
+    idle = v2_host.call("adaptive-tree", f"{__name__}:idle_tree_run", prompts)
+    check_idle_steps(idle, [v2_heldout_reference[i] for i in rows])
 
 
 # Sampled trees on V2: seeded 3-token samples at T = 1, top-k 2 (8 outcomes), on the

@@ -61,23 +61,18 @@ vLLM private names relied on (beyond ``draft_passes.py``'s): the proposer's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_specx.glue.draft_passes import RoundStart
-from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for, tree_cost_stats
-
-
-@dataclass
-class TreeRoundPlan:
-    """A tree round's depth, chosen by the tree cost control before the first pass
-    (``RoundStart.plan``); depth 0 is a plain step whose first pass is skipped."""
-
-    depth: int
-    skip_first_pass: bool
+from vllm_specx.glue.tree_cost import (
+    TreeRoundPlan,
+    apply_keep,
+    tree_cost_control_for,
+    tree_cost_stats,
+)
 
 
 class EagleTreeRound:

@@ -64,8 +64,8 @@ parallelism, decode context parallelism and M-RoPE draft models.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -97,8 +97,15 @@ from vllm_specx.glue.cost_model import (
 )
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
-from vllm_specx.glue.tree_cost import apply_keep, tree_cost_control_for, tree_cost_stats
-from vllm_specx.methods import GREEDY_DRAFTING
+from vllm_specx.glue.sampled_tree_round import sampled_children_on, sampled_tree_depths
+from vllm_specx.glue.tree_cost import (
+    TreeCostControl,
+    TreeRoundPlan,
+    apply_keep,
+    tree_cost_control_for,
+    tree_cost_stats,
+)
+from vllm_specx.methods import GREEDY_DRAFTING, draft_model_tree
 
 logger = logging.getLogger("vllm.specx")
 
@@ -256,6 +263,12 @@ class MTADRound:
         if self.tree_state is not None:
             return None
         return cost_control_for(self, k_max)
+
+    def _retired(self) -> Container[str]:
+        """Requests whose draft KV upkeep stopped (``DraftKVHoles.retired``): their drafts
+        would read a draft KV with holes, so none of their tree nodes is kept, and a
+        batch of them drafts no tree depth."""
+        return getattr(getattr(self, "_kv_holes", None), "retired", ())
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
@@ -462,7 +475,7 @@ class MTADRound:
         if control is not None:
             keep = control.prune(req_ids, [tree.parents[r, : n_nodes[r]] for r in range(num_reqs)],
                                  [tree.scores[r, : n_nodes[r]] for r in range(num_reqs)],
-                                 forward.passes, forward.tokens)
+                                 forward.passes, forward.tokens, retired=self._retired())
             kept = [torch.as_tensor(np.flatnonzero(m), dtype=torch.int64) for m in keep]
         for r in range(num_reqs):
             n = int(n_nodes[r])
@@ -545,6 +558,65 @@ class DraftTreeRound(MTADRound):
     # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
     _sampled_q: torch.Tensor | None = None
     sampled_tree_rounds: int = 0
+    # With cost control the round's depth is chosen before the first pass, and a round of
+    # depth 0 skips that pass (DraftKVHoles catches the draft KV up before the next first
+    # pass that runs), as the chain's all-zero steps do (V1 SpecxPasses.propose; V2
+    # SpecxV2DraftSpeculator.propose plans there with plans_before_first_pass).
+    skips_idle_first_pass = True
+    plans_before_first_pass = True
+
+    def _round_is_sampled(self, req_ids: Sequence[str]) -> bool | None:
+        """Before the first pass: whether this round will draft i.i.d. children
+        (``sampled_children_on``, a sampler that reads their q rows, a sampled request in
+        the batch); None where the runner does not say which requests are greedy."""
+        if not (sampled_children_on(self) and self.may_draft_sampled_children()):
+            return False
+        greedy = self._greedy_requests(tuple(req_ids))
+        return None if greedy is None else not bool(greedy.all())
+
+    def _round_depth(self, control: TreeCostControl, req_ids: Sequence[str], k: int,
+                     sampled: bool, before_first_pass: bool) -> int:
+        """The round's depth from the tree control, over the requests that may draft:
+        i.i.d. children's from the whole rounds' accepted paths (up to the depths their
+        node budget allows), the top-k tree's from its pruned trees (0 or not)."""
+        shape = draft_model_tree(self.settings)
+        assert shape is not None
+        retired = self._retired()
+        return control.choose_depth(
+            sum(rid not in retired for rid in req_ids),
+            sampled_tree_depths(self.settings, k) if sampled else int(shape["max_depth"]),
+            skips_first_pass=before_first_pass, whole=sampled)
+
+    def _plain_round(self, control: TreeCostControl, req_ids: Sequence[str]) -> None:
+        """A round of depth 0: it ends here, and every request's tree is empty."""
+        control.skipped(req_ids)
+        empty = [torch.empty(0, dtype=torch.int64) for _ in req_ids]
+        self.tree_state.record_round(list(req_ids), empty, empty)
+
+    def plan_before_first_pass(
+        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
+        target_tokens: int,
+    ) -> Any:
+        """With cost control, the round's depth before the first pass: the sampled round
+        drafts i.i.d. children to it (from how often earlier whole rounds' accepted paths
+        reached each depth), the top-k round drafts its full depth and is pruned after
+        (any depth above 0; from what the pruned trees kept per depth). Depth 0
+        (:class:`TreeRoundPlan` with ``skip_first_pass``) is a plain step whose first pass
+        is skipped; its price includes what that leaves to a later catch-up. None
+        (``cost_control`` off, or the batch's greedy-ness unknown): the round plans after
+        the first pass."""
+        control = tree_cost_control_for(self) if self.tree_state is not None else None
+        if control is None or k <= 0:
+            return None
+        sampled = self._round_is_sampled(req_ids)
+        if sampled is None:
+            return None
+        control.begin(req_ids, num_rejected, target_tokens)
+        depth = self._round_depth(control, req_ids, k, sampled, before_first_pass=True)
+        if depth > 0:
+            return TreeRoundPlan(depth, skip_first_pass=False)
+        self._plain_round(control, req_ids)
+        return TreeRoundPlan(0, skip_first_pass=True)
 
     def may_draft_sampled_children(self) -> bool:
         """Whether the runner's sampler reads the q rows of i.i.d. children (V1's specx
@@ -554,38 +626,45 @@ class DraftTreeRound(MTADRound):
     def draft_round(  # type: ignore[override]
         self, start: RoundStart, sampling: Any
     ) -> Any:
-        from vllm_specx.glue.sampled_tree_round import (
-            sampled_tree_depths,
-            sampled_tree_round,
-            wants_sampled_tree,
-        )
+        from vllm_specx.glue.sampled_tree_round import sampled_tree_round, wants_sampled_tree
 
         self._sampled_q = None
         control = tree_cost_control_for(self) if self.tree_state is not None else None
+        # The depth chosen before the first pass (None: the first pass ran unplanned, a
+        # runner that did not say which requests are greedy; the round plans now).
+        plan = start.plan if isinstance(start.plan, TreeRoundPlan) else None
+        if plan is not None and plan.skip_first_pass:
+            # Depth 0 and the first pass ran (a drafter told not to skip it): the plan
+            # already ended and recorded the round.
+            return [[] for _ in range(start.num_reqs)]
         if control is not None:
             if start.k == 0:
                 control.forget_interval()
-            else:
+            elif plan is None:
                 control.begin(start.req_ids, start.num_rejected, start.target_tokens)
-        if (self.tree_state is not None and self.may_draft_sampled_children()
-                and wants_sampled_tree(self, sampling, start.num_reqs)):
-            # i.i.d. children are not pruned (keeping a node's children or not by what
-            # they drew would bias the sampled rule): the control chooses the round's
-            # depth before they are drawn, from how often the last whole rounds'
-            # accepted paths reached each depth, and the trees are verified whole at it
-            # (depth 0: a plain step).
-            depth = None
-            if control is not None and start.k > 0:
-                depth = control.choose_depth(start.num_reqs,
-                                             sampled_tree_depths(self.settings, start.k),
-                                             whole=True)
-                if depth == 0:
-                    control.skipped(start.req_ids or ())
-                    return start.no_drafts()
+        sampled = (self.tree_state is not None and self.may_draft_sampled_children()
+                   and wants_sampled_tree(self, sampling, start.num_reqs))
+        # The round's depth: chosen before the first pass, or here where the first pass
+        # ran unplanned. i.i.d. children (sampled) are not pruned after drafting (keeping
+        # a node's children or not by what they drew would bias the sampled rule), so
+        # they are drafted to it, from how often the last whole rounds' accepted paths
+        # reached each depth, and verified whole; the top-k tree drafts its full depth
+        # and is pruned (any depth above 0). Depth 0: a plain step.
+        depth = plan.depth if plan is not None else None
+        if control is not None and start.k > 0 and depth is None:
+            req_ids = list(start.req_ids or ())
+            depth = self._round_depth(control, req_ids, start.k, sampled,
+                                      before_first_pass=False)
+            if depth == 0:
+                self._plain_round(control, req_ids)
+                return [[] for _ in range(start.num_reqs)]
+        if sampled:
             return sampled_tree_round(self, start, sampling, depth=depth, control=control)
         self._round_tree_cost = control if start.k > 0 else None
         try:
-            return super().draft_round(start, sampling)  # type: ignore[misc]
+            # The top-k tree drafts its full depth (the beam round reads start.plan as
+            # per-request depths, which a tree round's plan is not) and is pruned after.
+            return super().draft_round(replace(start, plan=None), sampling)  # type: ignore[misc]
         finally:
             self._round_tree_cost = None
 

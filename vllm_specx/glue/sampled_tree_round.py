@@ -36,14 +36,20 @@ from vllm_specx.glue.tree_cost import TreeCostControl
 from vllm_specx.methods import SAMPLED_CHILDREN_KEY, draft_model_tree, tree_max_nodes
 
 
-def wants_sampled_tree(proposer: Any, sampling_metadata: Any, num_reqs: int) -> bool:
-    """Whether this round drafts i.i.d. children: the knob is on, some request samples,
-    and the drafter's rows are over the target's vocabulary (a drafter with another
+def sampled_children_on(proposer: Any) -> bool:
+    """Whether a batch with a sampled request drafts i.i.d. children: the knob is on and
+    the drafter's rows are over the target's vocabulary (a drafter with another
     tokenizer keeps the top-k tree, which the deterministic rule verifies)."""
     shape = draft_model_tree(proposer.settings)
     if shape is None or not shape.get(SAMPLED_CHILDREN_KEY, True):
         return False
-    if getattr(proposer, "use_heterogeneous_vocab", False):
+    return not getattr(proposer, "use_heterogeneous_vocab", False)
+
+
+def wants_sampled_tree(proposer: Any, sampling_metadata: Any, num_reqs: int) -> bool:
+    """Whether this round drafts i.i.d. children: :func:`sampled_children_on`, and some
+    request samples."""
+    if not sampled_children_on(proposer):
         return False
     greedy = greedy_mask_from_temperature(sampling_metadata.temperature, num_reqs)
     return not bool(greedy.all())

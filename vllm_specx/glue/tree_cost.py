@@ -66,6 +66,15 @@ MAX_PROBE_EVERY = 64
 
 
 @dataclass
+class TreeRoundPlan:
+    """A tree round's depth, chosen by the tree cost control before the first pass
+    (``RoundStart.plan``); depth 0 is a plain step whose first pass is skipped."""
+
+    depth: int
+    skip_first_pass: bool
+
+
+@dataclass
 class TreeCostStats:
     """What the tree control did (``specx_stats()["tree_cost_control"]``)."""
 
