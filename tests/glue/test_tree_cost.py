@@ -162,6 +162,43 @@ def test_trees_verified_whole_learn_each_depth_from_their_accepted_paths():
     assert control._whole_value == before
 
 
+def test_tree_requests_arriving_where_no_sure_node_pays_retire_on_arrival():
+    # As the chain control's (tests/glue/test_cost_model.py): after retire_after rounds
+    # in a row that verified no node, a new request of a tree drafter retires on arrival
+    # where not even one certainly accepted node would pay (its verification row and the
+    # round's drafting cost against a plain step); where one would, or after a round that
+    # kept a node, it is admitted.
+    import types
+
+    from vllm_specx.glue.draft_passes import DraftKVHoles
+
+    holes = DraftKVHoles(block_size=16, prefix_caching=True)
+    holes.retire_after = 3
+    control = TreeCostControl()
+    dear = StepCosts(0.0, 1.0, 2.0, 0.0, 0.0)  # a node costs two plain steps
+    cheap = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)
+    control.fixed_costs = dear
+    drafter = types.SimpleNamespace(tree_state=object(), _tree_cost=control,
+                                    _cost_control=None)
+    parents, logq = _tree()
+    for _ in range(2):
+        control.skipped(["a"])
+    holes.admit(drafter, ("a", "b"))
+    assert holes.admitted == {"a", "b"} and not holes.retired
+    assert not control.prune(["a"], [parents], [logq], 0, 0)[0].any()  # idle round 3
+    assert not control.sure_node_pays(3) and control.retires_arrivals(3, 3)
+    holes.admit(drafter, ("a", "b", "c"))
+    assert holes.retired == {"c"} and holes.retired_on_arrival == 1
+    control.fixed_costs = cheap  # a sure node pays: admitted
+    assert control.sure_node_pays(4)
+    holes.admit(drafter, ("a", "b", "c", "d"))
+    assert "d" in holes.admitted
+    control.fixed_costs = dear
+    control.verified_whole(["a"], [2, 2])  # a round that verified nodes: not idle
+    holes.admit(drafter, ("a", "e"))
+    assert "e" in holes.admitted and holes.retired == {"c"}
+
+
 def test_bench_report_prints_what_the_tree_control_kept():
     from vllm_specx.bench.report import markdown_table
 

@@ -699,7 +699,11 @@ class DraftKVHoles:
         new = [rid for rid in req_ids if rid not in self.admitted and rid not in self.retired]
         if not new:
             return
-        control = getattr(proposer, "_cost_control", None)
+        # A tree drafter's tree control judges by its trees (TreeCostControl), a chain
+        # drafter's chain control by its lengths (CostControl).
+        control = (getattr(proposer, "_tree_cost", None)
+                   if getattr(proposer, "tree_state", None) is not None
+                   else getattr(proposer, "_cost_control", None))
         if control is not None and control.retires_arrivals(len(req_ids), self.retire_after):
             for rid in new:
                 self._retire(rid)

@@ -112,6 +112,7 @@ class TreeCostControl:
         # The last whole round: request id -> its nodes per depth; whether it probed.
         self._whole_last: dict[str, list[int]] = {}
         self._whole_probe = False
+        self._idle_rounds = 0  # rounds in a row that verified no node (retires_arrivals)
         self._since_full = 0
         self.probe_every = PROBE_EVERY  # rounds between full-depth probes (backs off)
         self._probing = False  # this round is a full-depth probe, not yet pruned
@@ -180,6 +181,7 @@ class TreeCostControl:
         for rid, keep, qq in zip(req_ids, budget.keep, q):
             self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
         self._last_total = budget.total_nodes
+        self._idle_rounds = 0 if budget.total_nodes else self._idle_rounds + 1
         if self._probing:
             self._probing = False
             self.probe_every = (PROBE_EVERY if budget.total_nodes else
@@ -215,6 +217,7 @@ class TreeCostControl:
         self._last_total = total
         self._whole_last = {rid: sizes for rid in req_ids}
         self._whole_probe, self._probing = self._probing, False
+        self._idle_rounds = 0 if total else self._idle_rounds + 1
         s = self.stats
         s.rounds += 1
         s.whole_rounds += 1
@@ -323,11 +326,31 @@ class TreeCostControl:
             step_costs_target(costs, num_reqs),
             skip_cost=costs.skip_debt * num_reqs if skips_first_pass else 0.0)
 
+    def retires_arrivals(self, num_reqs: int, idle_plans: int) -> bool:
+        """Whether a request that joins the batch now (``num_reqs`` with it) should retire
+        on arrival (``DraftKVHoles.admit``), as the chain control's
+        (``CostControl.retires_arrivals``): the last ``idle_plans`` rounds in a row
+        verified no node, and not even one node, certainly accepted, of one request's
+        tree would pay at this batch size (:meth:`sure_node_pays`)."""
+        return self._idle_rounds >= idle_plans and not self.sure_node_pays(num_reqs)
+
+    def sure_node_pays(self, num_reqs: int) -> bool:
+        """Whether one tree node, certainly accepted, drafted for one request of a batch
+        of ``num_reqs`` where nobody else drafts would raise the step's rate: its
+        verification row and the round's drafting cost against a plain step that leaves
+        that request's first pass to a later catch-up."""
+        costs = self.step_costs()
+        num_reqs = max(int(num_reqs), 1)
+        return choose_tree_depth([1.0], [1], num_reqs, costs.fixed, [costs.draft_round],
+                                 step_costs_target(costs, num_reqs),
+                                 skip_cost=costs.skip_debt) == 1
+
     def skipped(self, req_ids: Sequence[str]) -> None:
         """A round that drafted nothing (depth 0): its step verifies no node; the round
         ends here (timed as one that did not draft)."""
         self._last = {rid: (0, 0.0) for rid in req_ids}
         self._last_total = 0
+        self._idle_rounds += 1
         self.stats.rounds += 1
         self.stats.all_zero_rounds += 1
         self.stats.kept_histogram[0] = self.stats.kept_histogram.get(0, 0) + len(req_ids)
