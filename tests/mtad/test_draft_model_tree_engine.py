@@ -118,6 +118,52 @@ def test_depth_zero_rounds_skip_the_draft_models_first_pass(pair, engine):  # no
     check_idle_steps(idle, [greedy_generate(target, p, 16) for p in prompts])
 
 
+def test_top_k_trees_are_drafted_to_the_chosen_depth(pair, engine):  # noqa: F811
+    """With cost control the greedy batch's top-k tree is drafted to the depth its control
+    chooses (scripted here: 1, then 2) and pruned after: every recorded tree is that deep
+    at most, some exactly, and greedy output equals no speculation."""
+    from vllm import SamplingParams
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.algorithms.tree_budget import node_depths
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+
+    _, target = pair
+    drafter = engine.runner.drafter
+    drafter.settings = {**drafter.settings, "cost_control": True}
+    drafter._tree_cost = None
+    control = tree_cost_control_for(drafter)
+    assert control is not None
+    control.fixed_costs = StepCosts(0.0, 1.0, 1e-4, 0.0, 0.0)  # every node pays
+    chosen = {"depth": 1}
+    control.choose_depth = lambda num_reqs, max_depth, **kwargs: (
+        chosen["depth"] if not kwargs.get("whole") else max_depth)
+    depths: list[int] = []
+    record = engine.state.record_round
+
+    def recorded(req_ids, tokens, parents, **kwargs):
+        depths.extend(int(node_depths(p.numpy()).max()) for p in parents if len(p))
+        return record(req_ids, tokens, parents, **kwargs)
+
+    engine.state.record_round = recorded
+    prompts = prompts_of([6, 17, 25, 9], seed=17)
+    params = [SamplingParams(temperature=0.0, max_tokens=10) for _ in prompts]
+    try:
+        outs = {}
+        for depth in (1, 2):
+            chosen["depth"] = depth
+            depths.clear()
+            outs[depth] = engine.generate(prompts, params)
+            assert depths and max(depths) == depth, (depth, depths)
+    finally:
+        drafter.settings = {**drafter.settings, "cost_control": False}
+        drafter._tree_cost = None
+        del engine.state.record_round
+    for depth in (1, 2):
+        for out, prompt in zip(outs[depth], prompts):
+            assert list(out.outputs[0].token_ids) == greedy_generate(target, prompt, 10)
+
+
 N_STAT = 400  # seeded 3-token samples, top-k 3 at T = 1: 27 outcomes
 
 

@@ -578,7 +578,7 @@ class DraftTreeRound(MTADRound):
                      sampled: bool, before_first_pass: bool) -> int:
         """The round's depth from the tree control, over the requests that may draft:
         i.i.d. children's from the whole rounds' accepted paths (up to the depths their
-        node budget allows), the top-k tree's from its pruned trees (0 or not)."""
+        node budget allows), the top-k tree's from its pruned trees."""
         shape = draft_model_tree(self.settings)
         assert shape is not None
         retired = self._retired()
@@ -599,8 +599,8 @@ class DraftTreeRound(MTADRound):
     ) -> Any:
         """With cost control, the round's depth before the first pass: the sampled round
         drafts i.i.d. children to it (from how often earlier whole rounds' accepted paths
-        reached each depth), the top-k round drafts its full depth and is pruned after
-        (any depth above 0; from what the pruned trees kept per depth). Depth 0
+        reached each depth), the top-k round drafts its beams to it and prunes the tree
+        after (from what the pruned trees kept per depth), as the EAGLE trees do. Depth 0
         (:class:`TreeRoundPlan` with ``skip_first_pass``) is a plain step whose first pass
         is skipped; its price includes what that leaves to a later catch-up. None
         (``cost_control`` off, or the batch's greedy-ness unknown): the round plans after
@@ -647,9 +647,10 @@ class DraftTreeRound(MTADRound):
         # The round's depth: chosen before the first pass, or here where the first pass
         # ran unplanned. i.i.d. children (sampled) are not pruned after drafting (keeping
         # a node's children or not by what they drew would bias the sampled rule), so
-        # they are drafted to it, from how often the last whole rounds' accepted paths
-        # reached each depth, and verified whole; the top-k tree drafts its full depth
-        # and is pruned (any depth above 0). Depth 0: a plain step.
+        # they are drafted to it, chosen from how often the last whole rounds' accepted
+        # paths reached each depth, and verified whole; the top-k tree is drafted to it,
+        # chosen from what the pruned trees kept per depth, and pruned. Depth 0: a plain
+        # step.
         depth = plan.depth if plan is not None else None
         if control is not None and start.k > 0 and depth is None:
             req_ids = list(start.req_ids or ())
@@ -661,10 +662,17 @@ class DraftTreeRound(MTADRound):
         if sampled:
             return sampled_tree_round(self, start, sampling, depth=depth, control=control)
         self._round_tree_cost = control if start.k > 0 else None
+        # The top-k tree is drafted to the chosen depth (the beam round reads its plan as
+        # per-request depths: every request this one) and pruned after; without a
+        # control, to the configured depth.
+        plan_depths = None
+        if control is not None and depth is not None:
+            plan_depths = RoundPlan(AlwaysContinue(max(int(depth), 1)),
+                                    torch.full((start.num_reqs,), int(depth),
+                                               dtype=torch.int64), 0.0)
         try:
-            # The top-k tree drafts its full depth (the beam round reads start.plan as
-            # per-request depths, which a tree round's plan is not) and is pruned after.
-            return super().draft_round(replace(start, plan=None), sampling)  # type: ignore[misc]
+            return super().draft_round(  # type: ignore[misc]
+                replace(start, plan=plan_depths), sampling)
         finally:
             self._round_tree_cost = None
 
