@@ -537,8 +537,10 @@ class DraftTreeRound(MTADRound):
     runners: :class:`DraftTreeProposer` (V1) and ``glue/v2_speculators.py``'s
     ``DraftTreeV2Speculator`` (Model Runner V2).
 
-    * With ``cost_control`` (its default) the top-k tree is pruned per request to the
-      nodes that pay at the engine's measured costs, down to none (``glue/tree_cost.py``).
+    * With ``cost_control`` (its default) the round's depth is chosen before the first
+      pass (depth 0: a plain step that skips that pass, its draft KV caught up later),
+      and the top-k tree drafted to it is pruned per request to the nodes that pay at the
+      engine's measured costs, down to none (``glue/tree_cost.py``).
     * A batch with a sampled request drafts i.i.d. children instead
       (``"sampled_children"``, on by default; ``glue/sampled_tree_round.py``), verified by
       the ``"sampled"`` rule with the q rows the draws came from. Those trees are not
