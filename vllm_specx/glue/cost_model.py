@@ -106,6 +106,14 @@ def cost_control_applies(proposer: Any) -> bool:
         parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1)
 
 
+def retired_requests(proposer: Any) -> Container[str]:
+    """Requests whose draft (or head) KV upkeep stopped (``DraftKVHoles.retired``): their
+    drafts would read a KV with holes, so the chain control plans them nothing, none of
+    their tree nodes is kept, and a batch of them drafts no tree depth."""
+    holes = getattr(proposer, "_kv_holes", None)
+    return holes.retired if holes is not None else ()
+
+
 def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
     """The drafter's chain/depth cost control, made once on ``proposer._cost_control``
     (sized for the configured ``num_speculative_tokens`` or this step's ``k_max``,
@@ -117,7 +125,7 @@ def cost_control_for(proposer: Any, k_max: int) -> CostControl | None:
         proposer._cost_control = CostControl(
             max(int(configured), k_max), clock=engine_step_clock(),
             # Requests whose draft KV upkeep stopped (DraftKVHoles.retired): never drafted.
-            retired=lambda: getattr(getattr(proposer, "_kv_holes", None), "retired", ()),
+            retired=lambda: retired_requests(proposer),
             refit_every=REFIT_EVERY)
     return proposer._cost_control
 

@@ -60,16 +60,17 @@ vLLM private names relied on (beyond ``draft_passes.py``'s): the proposer's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from vllm.v1.sample.metadata import SamplingMetadata
 
+from vllm_specx.glue.cost_model import retired_requests
 from vllm_specx.glue.draft_passes import RoundStart
 from vllm_specx.glue.tree_cost import (
     TreeRoundPlan,
     apply_keep,
+    requests_that_may_draft,
     tree_cost_control_for,
     tree_cost_stats,
 )
@@ -138,18 +139,6 @@ class EagleTreeRound:
         # the shape the user gave, node for node.
         return shape, None if "paths" in shape else tree_cost_control_for(self)
 
-    def _retired(self) -> Any:
-        """Requests whose head KV upkeep stopped (``DraftKVHoles.retired``): none of
-        their nodes is verified (their drafts would read a KV with holes)."""
-        holes = getattr(self, "_kv_holes", None)
-        return holes.retired if holes is not None else ()
-
-    def _may_draft(self, req_ids: Sequence[str]) -> int:
-        """How many of ``req_ids`` may draft (not :meth:`_retired`): what the tree
-        control's depth choice weighs."""
-        retired = self._retired()
-        return sum(rid not in retired for rid in req_ids)
-
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
         target_tokens: int,
@@ -166,8 +155,8 @@ class EagleTreeRound:
         if control is None:
             return None
         control.begin(req_ids, num_rejected, target_tokens)
-        depth = control.choose_depth(self._may_draft(req_ids), int(shape["max_depth"]),
-                                     skips_first_pass=True)
+        depth = control.choose_depth(requests_that_may_draft(self, req_ids),
+                                     int(shape["max_depth"]), skips_first_pass=True)
         if depth > 0:
             return TreeRoundPlan(depth, skip_first_pass=False)
         control.skipped(req_ids)
@@ -211,7 +200,7 @@ class EagleTreeRound:
             # The head passes are paid before the tree exists: their number is chosen
             # from what the last rounds' pruned trees were worth per depth.
             depth = plan.depth if plan is not None else control.choose_depth(
-                self._may_draft(req_ids), depth)
+                requests_that_may_draft(self, req_ids), depth)
         if "paths" in shape:
             tokens, parents = tree.static(root_lp, shape["paths"])
         elif depth == 0:
@@ -228,7 +217,7 @@ class EagleTreeRound:
             # Keep per request the nodes that pay at the measured costs (glue/tree_cost.py);
             # the head's passes are paid already. Zero nodes: the request verifies nothing.
             keep = control.prune(req_ids, parents, tree.node_logq, tree.passes, tree.rows,
-                                 retired=self._retired())
+                                 retired=retired_requests(self))
             cut = [apply_keep(t, p, k) for t, p, k in zip(tokens, parents, keep)]
             tokens, parents = [c[0] for c in cut], [c[1] for c in cut]
             control.end(tree.passes, tree.rows)

@@ -64,7 +64,7 @@ parallelism, decode context parallelism and M-RoPE draft models.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -94,6 +94,7 @@ from vllm_specx.glue.cost_model import (
     RoundPlan,
     cost_control_for,
     cost_control_stats,
+    retired_requests,
 )
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
@@ -102,6 +103,7 @@ from vllm_specx.glue.tree_cost import (
     TreeCostControl,
     TreeRoundPlan,
     apply_keep,
+    requests_that_may_draft,
     tree_cost_control_for,
     tree_cost_stats,
 )
@@ -263,12 +265,6 @@ class MTADRound:
         if self.tree_state is not None:
             return None
         return cost_control_for(self, k_max)
-
-    def _retired(self) -> Container[str]:
-        """Requests whose draft KV upkeep stopped (``DraftKVHoles.retired``): their drafts
-        would read a draft KV with holes, so none of their tree nodes is kept, and a
-        batch of them drafts no tree depth."""
-        return getattr(getattr(self, "_kv_holes", None), "retired", ())
 
     def plan_before_first_pass(
         self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
@@ -475,7 +471,8 @@ class MTADRound:
         if control is not None:
             keep = control.prune(req_ids, [tree.parents[r, : n_nodes[r]] for r in range(num_reqs)],
                                  [tree.scores[r, : n_nodes[r]] for r in range(num_reqs)],
-                                 forward.passes, forward.tokens, retired=self._retired())
+                                 forward.passes, forward.tokens,
+                                 retired=retired_requests(self))
             kept = [torch.as_tensor(np.flatnonzero(m), dtype=torch.int64) for m in keep]
         for r in range(num_reqs):
             n = int(n_nodes[r])
@@ -583,9 +580,8 @@ class DraftTreeRound(MTADRound):
         node budget allows), the top-k tree's from its pruned trees."""
         shape = draft_model_tree(self.settings)
         assert shape is not None
-        retired = self._retired()
         return control.choose_depth(
-            sum(rid not in retired for rid in req_ids),
+            requests_that_may_draft(self, req_ids),
             sampled_tree_depths(self.settings, k) if sampled else int(shape["max_depth"]),
             skips_first_pass=before_first_pass, whole=sampled)
 

@@ -48,6 +48,7 @@ from vllm_specx.glue.cost_model import (
     MeasuredCosts,
     cost_control_applies,
     engine_step_clock,
+    retired_requests,
 )
 
 SCALE_BOUNDS = (0.25, 2.0)
@@ -184,8 +185,7 @@ class TreeCostControl:
         self._idle_rounds = 0 if budget.total_nodes else self._idle_rounds + 1
         if self._probing:
             self._probing = False
-            self.probe_every = (PROBE_EVERY if budget.total_nodes else
-                                min(2 * self.probe_every, MAX_PROBE_EVERY))
+            self._probe_paid(bool(budget.total_nodes))
         # Per request that may draft: choose_depth scales by those (a retired request's
         # zero values would otherwise dilute what a depth is worth to the others).
         active = sum(rid not in retired for rid in req_ids) if retired else len(par)
@@ -246,23 +246,13 @@ class TreeCostControl:
             tried[:depth] += 1.0
             reached[:accepted] += 1.0
             nodes[:depth] += sizes
-        while len(self._whole_value) < deepest:
-            self._whole_value.append(None)
-            self._whole_nodes.append(None)
-        a = DEPTH_FORGETTING
-        for i in range(deepest):
-            if tried[i] == 0:
-                continue
-            per_v, per_n = reached[i] / tried[i], nodes[i] / tried[i]
-            old_v, old_n = self._whole_value[i], self._whole_nodes[i]
-            self._whole_value[i] = per_v if old_v is None else a * old_v + (1 - a) * per_v
-            self._whole_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
+        with np.errstate(invalid="ignore"):  # a depth nobody drafted: NaN, not learnt
+            _forget_into(self._whole_value, self._whole_nodes, reached / tried,
+                         nodes / tried)
         if self._whole_probe:
             self._whole_probe = False
             active = max(len(drafted), 1)
-            pays = self._best_depth(active, deepest, True, False) == deepest
-            self.probe_every = (PROBE_EVERY if pays else
-                                min(2 * self.probe_every, MAX_PROBE_EVERY))
+            self._probe_paid(self._best_depth(active, deepest, True, False) == deepest)
 
     def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
                       keep: list[np.ndarray], num_reqs: int) -> None:
@@ -273,15 +263,14 @@ class TreeCostControl:
             d = node_depths(p)
             np.add.at(value, d[k] - 1, v[k])
             np.add.at(nodes, d[k] - 1, 1.0)
-        while len(self._depth_value) < deepest:
-            self._depth_value.append(None)
-            self._depth_nodes.append(None)
-        for i in range(deepest):
-            per_v, per_n = value[i] / num_reqs, nodes[i] / num_reqs
-            old_v, old_n = self._depth_value[i], self._depth_nodes[i]
-            a = DEPTH_FORGETTING
-            self._depth_value[i] = per_v if old_v is None else a * old_v + (1 - a) * per_v
-            self._depth_nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
+        _forget_into(self._depth_value, self._depth_nodes, value / num_reqs, nodes / num_reqs)
+
+    def _probe_paid(self, paid: bool) -> None:
+        """A full-depth probe's outcome: one that paid (kept a node; for whole trees, the
+        full depth would pay) brings the usual pace back, one that did not doubles the
+        wait for the next (up to :data:`MAX_PROBE_EVERY`)."""
+        self.probe_every = (PROBE_EVERY if paid else
+                            min(2 * self.probe_every, MAX_PROBE_EVERY))
 
     def choose_depth(self, num_reqs: int, max_depth: int,
                      skips_first_pass: bool = False, whole: bool = False) -> int:
@@ -376,6 +365,31 @@ class TreeCostControl:
             "drafted_nodes": s.drafted_nodes, "kept_nodes": s.kept_nodes,
             "kept_histogram": {str(k): v for k, v in sorted(s.kept_histogram.items())},
         }
+
+
+def _forget_into(values: list[float | None], nodes: list[float | None],
+                 per_value: np.ndarray, per_nodes: np.ndarray) -> None:
+    """Blend one round's per-depth value and nodes per request into the tables (index
+    ``d - 1``; grown with None for depths never drafted), forgetting by
+    :data:`DEPTH_FORGETTING`; a depth whose round value is NaN (nobody drafted it) is left
+    as it was."""
+    while len(values) < len(per_value):
+        values.append(None)
+        nodes.append(None)
+    a = DEPTH_FORGETTING
+    for i, (per_v, per_n) in enumerate(zip(per_value.tolist(), per_nodes.tolist())):
+        if per_v != per_v:  # NaN
+            continue
+        old_v, old_n = values[i], nodes[i]
+        values[i] = per_v if old_v is None else a * old_v + (1 - a) * per_v
+        nodes[i] = per_n if old_n is None else a * old_n + (1 - a) * per_n
+
+
+def requests_that_may_draft(proposer: Any, req_ids: Sequence[str]) -> int:
+    """How many of ``req_ids`` are not :func:`retired_requests`: what the tree control's
+    depth choice weighs."""
+    retired = retired_requests(proposer)
+    return sum(rid not in retired for rid in req_ids)
 
 
 def apply_keep(tokens: torch.Tensor, parents: torch.Tensor, keep: np.ndarray
