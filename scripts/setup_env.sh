@@ -26,8 +26,19 @@ if [ -f "$STAMP" ]; then
 fi
 
 echo "[setup] creating $VENV (one-time; later runs reuse it)" >&2
+# The venv takes about 4.1 GB on a CPU host (triton ~1.0, vLLM ~0.9, torch ~0.8). Say so
+# before pip does ("OSError: [Errno 28] No space left on device" half-way through).
+NEED_MB=4600
+FREE_MB=$(df -Pm "$ROOT" | awk 'NR == 2 {print $4}')
+if [ -n "$FREE_MB" ] && [ "$FREE_MB" -lt "$NEED_MB" ]; then
+  echo "[setup] warning: ${FREE_MB} MB free on the disk of $ROOT; the set-up needs about" \
+       "${NEED_MB} MB for .venv (torch, vLLM, triton). Free some space if pip fails." >&2
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${EXTRA_PIP[@]+"${EXTRA_PIP[@]}"})
+# --no-cache-dir: pip's cache would keep a second copy of every downloaded wheel (vLLM's
+# and triton's are hundreds of MB) beside the venv, on disks where space can be short.
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir
+     ${EXTRA_PIP[@]+"${EXTRA_PIP[@]}"})
 
 if command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" "$VLLM_PIN"
