@@ -4,9 +4,11 @@ scale follows the accepted paths, the drafted depth follows what deeper depths w
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_specx.algorithms.draft_length import StepCosts
+from vllm_specx.algorithms.tree_budget import node_depths
 from vllm_specx.glue.tree_cost import (
     MAX_PROBE_EVERY,
     PROBE_EVERY,
@@ -56,46 +58,89 @@ def test_acceptance_scale_follows_accepted_paths():
     assert control.scale == 0.25
 
 
-def _control_after_a_full_depth_round(costs: StepCosts) -> TreeCostControl:
-    """A tree control with the fixed cost model ``costs`` whose first round, at the full
-    depth (nothing measured yet), pruned :func:`_tree` for request "a"."""
+def _depth_one(parents: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depth-1 nodes of a BFS tree (its first nodes, children of the root)."""
+    n = int((parents < 0).sum())
+    return parents[:n], logq[:n]
+
+
+def _control_after_a_full_tree(costs: StepCosts) -> TreeCostControl:
+    """A tree control with the fixed cost model ``costs`` that has pruned a whole
+    :func:`_tree` (all three depths measured) for request "a"."""
     parents, logq = _tree()
     control = TreeCostControl()
     control.fixed_costs = costs
-    assert control.choose_depth(1, 3) == 3  # nothing measured yet: the full depth
     control.prune(["a"], [parents], [logq], 2, 2)
     return control
 
 
+def test_depths_are_measured_one_at_a_time():
+    # Nothing measured: depth 1, not the full depth. Where every node pays, each next
+    # depth (valued as the deepest measured one until drafted) is drafted in turn.
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)
+    assert control.choose_depth(1, 3) == 1
+    control.prune(["a"], *map(list, zip(_depth_one(parents, logq))), 1, 1)
+    assert control.choose_depth(1, 3) == 2
+    keep_two = node_depths(parents.numpy()) <= 2
+    control.prune(["a"], [parents[keep_two]], [logq[keep_two]], 2, 2)
+    assert control.choose_depth(1, 3) == 3
+    control.prune(["a"], [parents], [logq], 2, 2)
+    assert [control.choose_depth(1, 3) for _ in range(3 * PROBE_EVERY)] == [3] * 3 * PROBE_EVERY
+    # Where depth 1 does not pay (a node costs ten steps), no deeper depth is drafted:
+    # only depth 1 again, at the probes.
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 10.0, 1.0, 0.0)
+    assert control.choose_depth(1, 3) == 1
+    assert not control.prune(["a"], *map(list, zip(_depth_one(parents, logq))), 1, 1)[0].any()
+    assert set(control.choose_depth(1, 3) for _ in range(3 * PROBE_EVERY)) == {0, 1}
+
+
 def test_depth_follows_what_deeper_depths_were_worth():
-    # A head pass costs as much as a whole step: only depth 1 pays once measured.
-    control = _control_after_a_full_depth_round(StepCosts(0.0, 1.0, 0.01, 1.0, 0.0))
+    # A head pass costs as much as a whole step: only depth 1 pays once measured, and the
+    # probes draft one depth deeper than that.
+    control = _control_after_a_full_tree(StepCosts(0.0, 1.0, 0.01, 1.0, 0.0))
     depths = [control.choose_depth(1, 3) for _ in range(2 * PROBE_EVERY)]
-    assert depths.count(1) >= 2 * PROBE_EVERY - 2 and 3 in depths  # with full-depth probes
+    assert depths == ([1] * (PROBE_EVERY - 1) + [2]) * 2, depths
     control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)  # free passes: full depth
     assert control.choose_depth(1, 3) == 3
 
 
-def test_full_depth_probes_back_off_while_they_keep_nothing():
-    # Nothing pays (a node costs ten steps): every probe's tree is cut to nothing, so the
-    # rounds between full-depth probes double, 8 -> 16 -> 32 -> 64, and stay at 64; a
-    # probe that keeps a node (cheap nodes again) brings the usual 8 back. Reference: the
-    # rounds at which a probe is due, written out.
-    parents, logq = _tree()
-    control = _control_after_a_full_depth_round(StepCosts(0.0, 1.0, 10.0, 1.0, 0.0))
+def test_probes_back_off_while_they_keep_nothing():
+    # Nothing pays (a node costs ten steps): every probe (depth 1, one deeper than the
+    # choice) is cut to nothing, so the rounds between probes double, 8 -> 16 -> 32 -> 64,
+    # and stay at 64; a probe that keeps a node at its depth (cheap nodes again) brings
+    # the usual 8 back. Reference: the rounds at which a probe is due, written out.
+    parents, logq = _depth_one(*_tree())
+    control = _control_after_a_full_tree(StepCosts(0.0, 1.0, 10.0, 1.0, 0.0))
     probes = []
     for i in range(1, 8 + 16 + 32 + 64 + 64 + 1):
         depth = control.choose_depth(1, 3)
         if depth:
             probes.append(i)
-            assert depth == 3 and not control.prune(["a"], [parents], [logq], 2, 2)[0].any()
+            assert depth == 1 and not control.prune(["a"], [parents], [logq], 1, 1)[0].any()
     assert probes == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 64, 8 + 16 + 32 + 64 + 64]
     assert control.probe_every == MAX_PROBE_EVERY == 64
     control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 1.0, 0.0)  # nodes pay again
     while not control.choose_depth(1, 3):
         pass
-    assert control.prune(["a"], [parents], [logq], 2, 2)[0].any()
+    assert control.prune(["a"], [parents], [logq], 1, 1)[0].any()
     assert control.probe_every == PROBE_EVERY
+
+
+def test_a_probe_that_keeps_nodes_only_above_its_depth_did_not_pay():
+    # A node costs 0.7 of a step: only the first (q = 0.9) pays, so depth 1 is the choice
+    # and a probe at depth 2 whose pruned tree keeps only that node doubles the wait.
+    parents, logq = _tree()
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.7, 1.0, 0.0)
+    assert control.prune(["a"], [parents], [logq], 0, 0)[0].tolist() == [True] + [False] * 4
+    keep_two = node_depths(parents.numpy()) <= 2
+    assert [control.choose_depth(1, 3) for _ in range(PROBE_EVERY)] == [1] * 7 + [2]
+    keep = control.prune(["a"], [parents[keep_two]], [logq[keep_two]], 0, 0)[0]
+    assert keep.tolist() == [True, False, False, False]
+    assert control.probe_every == 2 * PROBE_EVERY
 
 
 def test_retired_requests_keep_no_node_and_a_batch_of_them_drafts_no_depth():
@@ -121,7 +166,7 @@ def test_depth_zero_chosen_before_the_first_pass_pays_the_skip_debt():
     # Before the first pass (which depth 0 then skips) depth 0 also costs what a skipped
     # pass leaves to a catch-up: a debt that makes a plain step dearer than drafting tips
     # the choice to depth 1; after the first pass (paid either way) it does not count.
-    control = _control_after_a_full_depth_round(
+    control = _control_after_a_full_tree(
         StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2))
     assert control.choose_depth(1, 3) == 0
     control.fixed_costs = StepCosts(0.0, 1.0, 1.0, 0.0, 0.0, draft_round=0.2, skip_debt=2.0)
@@ -136,28 +181,33 @@ def test_trees_verified_whole_learn_each_depth_from_their_accepted_paths():
     # into the top-k trees' acceptance scale or depth table).
     control = TreeCostControl()
     control.fixed_costs = StepCosts(0.0, 1.0, 0.1, 0.0, 0.0)
-    assert control.choose_depth(2, 3, whole=True) == 3  # nothing measured yet
-    control.verified_whole(["a", "b"], [2, 2, 2])
-    assert control._last_total == 12
+    assert control.choose_depth(2, 3, whole=True) == 1  # nothing measured yet: depth 1
+    control.verified_whole(["a", "b"], [2])
+    assert control._last_total == 4
     stats = control.stats
-    assert stats.whole_rounds == 1 and stats.kept_nodes == stats.drafted_nodes == 12
+    assert stats.whole_rounds == 1 and stats.kept_nodes == stats.drafted_nodes == 4
     assert control.describe()["whole_rounds"] == 1
-    control.begin(["a", "b"], torch.tensor([5, 6]), 2 + 12)  # "a" accepted 1 node, "b" 0
-    assert control._whole_value == [0.5, 0.0, 0.0]
-    assert control._whole_nodes == [2.0, 2.0, 2.0]
+    control.begin(["a", "b"], torch.tensor([1, 2]), 2 + 4)  # "a" accepted 1 node, "b" 0
+    assert control._whole_value == [0.5] and control._whole_nodes == [2.0]
     assert control.scale == 1.0 and control._depth_value == []
-    # Depth 1 pays (2 + 1 tokens for 1 + 0.4 of a step each), deeper depths add nodes and
-    # nothing else: depth 1 until the next full-depth probe.
+    # Depth 2, not measured, is valued as depth 1 (2 + 2 tokens for 1 + 0.8 of a step
+    # against 2 + 1 for 1 + 0.4): drafted next, and its paths reach no deeper than depth 1.
+    assert control.choose_depth(2, 3, whole=True) == 2
+    control.verified_whole(["a", "b"], [2, 2])
+    control.begin(["a", "b"], torch.tensor([3, 4]), 2 + 8)
+    assert control._whole_value == pytest.approx([0.5, 0.0])
+    # Depth 1 pays, depth 2 adds nodes and nothing else (and depth 3, valued as depth 2,
+    # nothing): depth 1 until the next probe, one depth deeper.
     depths = [control.choose_depth(2, 3, whole=True) for _ in range(PROBE_EVERY)]
-    assert depths == [1] * (PROBE_EVERY - 1) + [3], depths
-    # The probe's paths again reach no deeper than depth 1: the full depth still does not
-    # pay, so the next probe waits twice as long.
-    control.verified_whole(["a", "b"], [2, 2, 2])
-    control.begin(["a", "b"], torch.tensor([6, 5]), 2 + 12)
+    assert depths == [1] * (PROBE_EVERY - 1) + [2], depths
+    # The probe's paths again reach no deeper than depth 1: depth 2 still does not pay,
+    # so the next probe waits twice as long.
+    control.verified_whole(["a", "b"], [2, 2])
+    control.begin(["a", "b"], torch.tensor([4, 3]), 2 + 8)
     assert control.probe_every == 2 * PROBE_EVERY
     # A step that did not verify the whole trees (another node count) teaches nothing.
     before = list(control._whole_value)
-    control.verified_whole(["a", "b"], [2, 2, 2])
+    control.verified_whole(["a", "b"], [2, 2])
     control.begin(["a", "b"], torch.tensor([0, 0]), 2 + 5)
     assert control._whole_value == before
 

@@ -56,13 +56,17 @@ SCALE_FORGETTING = 0.98  # per request-step: ~50 request-steps
 SCALE_PRIOR = 2.0  # pseudo-tokens of ratio 1 (never decays)
 DEPTH_FORGETTING = 0.9  # per round, for the per-depth kept value and nodes
 PROBE_EVERY = 8  # rounds: a round drafted shallower than the full depth is followed, at
-# the latest this many rounds later, by one at the full depth, so the deeper depths'
-# values are measured again (they are only learnt from rounds that drafted them)
-# A full-depth probe whose tree is pruned to nothing doubles the wait for the next (up to
-# this many rounds); one that keeps a node, or a round whose own choice is the full
-# depth, brings it back to PROBE_EVERY. Why: where nothing pays (real pair, EAGLE-3 tree
-# 8/4/2, batch 8, T = 1) the probes were the only rounds that drafted, one in 8, each
-# paying every head pass for a tree cut to nothing: 0.86x of no speculation.
+# the latest this many rounds later, by a probe one depth deeper than the choice, so that
+# depth's value is measured again (depths are only learnt from rounds that drafted them).
+# One depth deeper, not the full depth: where nothing pays (real pair, `adaptive` tree,
+# batch 8, T = 1) a full-depth round verified 128 nodes, about 7 plain steps, and the
+# first rounds and probes at the full depth were most of what kept the control at 0.79x.
+# A probe whose probed depth did not pay (a pruned tree kept no node there; a whole tree's
+# accepted paths do not make that depth the best) doubles the wait for the next (up to
+# this many rounds); one that paid, or a round whose own choice is the full depth, brings
+# it back to PROBE_EVERY. Why: where nothing pays (real pair, EAGLE-3 tree 8/4/2, batch 8,
+# T = 1) the probes were the only rounds that drafted, one in 8, each paying head passes
+# for a tree cut to nothing: 0.86x of no speculation.
 MAX_PROBE_EVERY = 64
 
 
@@ -114,9 +118,9 @@ class TreeCostControl:
         self._whole_last: dict[str, list[int]] = {}
         self._whole_probe = False
         self._idle_rounds = 0  # rounds in a row that verified no node (retires_arrivals)
-        self._since_full = 0
-        self.probe_every = PROBE_EVERY  # rounds between full-depth probes (backs off)
-        self._probing = False  # this round is a full-depth probe, not yet pruned
+        self._since_probe = 0
+        self.probe_every = PROBE_EVERY  # rounds between probes (backs off)
+        self._probing = 0  # the depth this round probes, not yet pruned (0: no probe)
 
     @property
     def scale(self) -> float:
@@ -184,8 +188,10 @@ class TreeCostControl:
         self._last_total = budget.total_nodes
         self._idle_rounds = 0 if budget.total_nodes else self._idle_rounds + 1
         if self._probing:
-            self._probing = False
-            self._probe_paid(bool(budget.total_nodes))
+            probed, self._probing = self._probing, 0
+            # Paid: the probed depth kept a node (a rooted subtree: so did every depth above).
+            self._probe_paid(any(bool((node_depths(p)[k] >= probed).any())
+                                 for p, k in zip(par, budget.keep)))
         # Per request that may draft: choose_depth scales by those (a retired request's
         # zero values would otherwise dilute what a depth is worth to the others).
         active = sum(rid not in retired for rid in req_ids) if retired else len(par)
@@ -216,7 +222,7 @@ class TreeCostControl:
         self._last = {rid: (0, 0.0) for rid in req_ids}
         self._last_total = total
         self._whole_last = {rid: sizes for rid in req_ids}
-        self._whole_probe, self._probing = self._probing, False
+        self._whole_probe, self._probing = bool(self._probing), 0
         self._idle_rounds = 0 if total else self._idle_rounds + 1
         s = self.stats
         s.rounds += 1
@@ -231,8 +237,8 @@ class TreeCostControl:
         """What each depth of the last whole round was worth: per depth, the fraction of
         its requests whose accepted path reached it (``rejected``: the verified nodes less
         the accepted path, per row), and its nodes; forgetting per round as for the pruned
-        trees. A full-depth probe whose trees, valued so, still would not pay at the
-        full depth doubles the wait for the next (as a pruned probe kept to nothing)."""
+        trees. A probe whose trees, valued so, still would not pay at the probed depth
+        doubles the wait for the next (as a pruned probe that kept no node there)."""
         deepest = max((len(v) for v in drafted.values()), default=0)
         reached = np.zeros(deepest)
         tried = np.zeros(deepest)
@@ -266,51 +272,69 @@ class TreeCostControl:
         _forget_into(self._depth_value, self._depth_nodes, value / num_reqs, nodes / num_reqs)
 
     def _probe_paid(self, paid: bool) -> None:
-        """A full-depth probe's outcome: one that paid (kept a node; for whole trees, the
-        full depth would pay) brings the usual pace back, one that did not doubles the
-        wait for the next (up to :data:`MAX_PROBE_EVERY`)."""
+        """A probe's outcome: one that paid (kept a node at the probed depth; for whole
+        trees, the probed depth would pay) brings the usual pace back, one that did not
+        doubles the wait for the next (up to :data:`MAX_PROBE_EVERY`)."""
         self.probe_every = (PROBE_EVERY if paid else
                             min(2 * self.probe_every, MAX_PROBE_EVERY))
 
     def choose_depth(self, num_reqs: int, max_depth: int,
                      skips_first_pass: bool = False, whole: bool = False) -> int:
         """Tree depth to draft this round, before any head pass (``choose_tree_depth``):
-        depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing. A
-        depth never drafted yet counts as paying (it is drafted and measured), and every
-        :attr:`probe_every` rounds (:data:`PROBE_EVERY`, doubled per probe pruned to
-        nothing, up to :data:`MAX_PROBE_EVERY`) the full depth is drafted again.
-        ``num_reqs``: the requests that may draft (0: depth 0, no probe).
+        depth ``d >= 2`` costs one more head pass over the batch; 0 drafts nothing.
+
+        Depths are measured one at a time, never all at once: with nothing measured the
+        round drafts depth 1; a depth never drafted yet is valued as the deepest measured
+        one (an upper bound: a path reaches depth ``d + 1`` only through depth ``d``), and
+        where that says it might pay, the round drafts one depth deeper than measured.
+        Every :attr:`probe_every` rounds (:data:`PROBE_EVERY`, doubled per probe whose
+        probed depth did not pay, up to :data:`MAX_PROBE_EVERY`) the round probes one
+        depth deeper than its choice, so a value learnt when drafts were poor is measured
+        again. ``num_reqs``: the requests that may draft (0: depth 0, no probe).
         ``skips_first_pass``: chosen before the first pass, which depth 0 then skips
         (its KV caught up later: ``skip_debt`` per request is depth 0's cost).
         ``whole``: for trees verified whole (:meth:`verified_whole`), valued by how often
         their accepted paths reached each depth; else the pruned trees' kept values."""
-        if num_reqs <= 0:
+        if num_reqs <= 0 or max_depth <= 0:
             return 0
-        known = (self._whole_value if whole else self._depth_value)[:max_depth]
-        if len(known) < max_depth or any(v is None for v in known):
-            return max_depth
-        self._since_full += 1
-        if self._since_full >= self.probe_every:
-            self._since_full = 0
-            self._probing = True
-            return max_depth
+        values = (self._whole_value if whole else self._depth_value)[:max_depth]
+        measured = next((i for i, v in enumerate(values) if v is None), len(values))
+        if measured == 0:
+            return 1
         depth = self._best_depth(num_reqs, max_depth, whole, skips_first_pass)
+        if depth > measured:
+            return measured + 1  # might pay: draft the first depth not measured yet
         if depth == max_depth:
-            self._since_full = 0
+            self._since_probe = 0
             self.probe_every = PROBE_EVERY  # the full depth pays: probes at the usual pace
+            return depth
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            self._probing = depth + 1
+            return depth + 1
         return depth
 
     def _best_depth(self, num_reqs: int, max_depth: int, whole: bool,
                     skips_first_pass: bool) -> int:
-        """``choose_tree_depth`` over the learnt per-depth values (all known)."""
+        """``choose_tree_depth`` over the learnt per-depth values; a depth not measured
+        yet is valued as the deepest measured one above it (at least one is measured)."""
         values = self._whole_value if whole else self._depth_value
         nodes = self._whole_nodes if whole else self._depth_nodes
+        depth_values: list[float] = []
+        depth_nodes: list[int] = []
+        for d in range(max_depth):
+            v = values[d] if d < len(values) else None
+            if v is None:  # not measured: the deepest measured depth's value and nodes
+                depth_values.append(depth_values[-1])
+                depth_nodes.append(depth_nodes[-1])
+                continue
+            depth_values.append(num_reqs * float(v))
+            depth_nodes.append(int(round(num_reqs * float(nodes[d] or 0.0))))
         costs = self.step_costs()
         pass_cost = costs.draft_pass + costs.draft_row * num_reqs
         return choose_tree_depth(
-            [num_reqs * float(v or 0.0) for v in values[:max_depth]],
-            [int(round(num_reqs * float(n or 0.0))) for n in nodes[:max_depth]],
-            num_reqs, costs.fixed,
+            depth_values, depth_nodes, num_reqs, costs.fixed,
             [costs.draft_round] + [pass_cost] * (max_depth - 1),
             step_costs_target(costs, num_reqs),
             skip_cost=costs.skip_debt * num_reqs if skips_first_pass else 0.0)
