@@ -97,6 +97,20 @@ def test_depths_are_measured_one_at_a_time():
     assert set(control.choose_depth(1, 3) for _ in range(3 * PROBE_EVERY)) == {0, 1}
 
 
+def test_a_chosen_depth_that_no_kept_node_reached_is_measured_as_worth_nothing():
+    # A dynamic tree keeps its best max_nodes nodes, which may all lie above the depth
+    # drafted: that depth is then measured (worth nothing this round), so the control
+    # does not draft it again and again to measure it.
+    parents, logq = _tree()  # depths 1-3
+    control = TreeCostControl()
+    control.fixed_costs = StepCosts(0.0, 1.0, 0.01, 0.0, 0.0)
+    control.prune(["a"], [parents], [logq], 2, 2)
+    assert control.choose_depth(1, 4) == 4  # depth 4 not measured: it might pay
+    control.prune(["a"], [parents], [logq], 3, 3)  # no node reached depth 4
+    assert control._depth_value[3] == 0.0 and control._depth_nodes[3] == 0.0
+    assert control.choose_depth(1, 4) == 3
+
+
 def test_depth_follows_what_deeper_depths_were_worth():
     # A head pass costs as much as a whole step: only depth 1 pays once measured, and the
     # probes draft one depth deeper than that.

@@ -121,6 +121,11 @@ class TreeCostControl:
         self._since_probe = 0
         self.probe_every = PROBE_EVERY  # rounds between probes (backs off)
         self._probing = 0  # the depth this round probes, not yet pruned (0: no probe)
+        # The depth choose_depth gave this round (0: none given): the depths down to it
+        # are learnt from the round's trees even where none of its nodes reached the
+        # deepest (a dynamic tree keeps its best max_nodes nodes, which may all be
+        # shallower): that depth was worth nothing this round, not left unmeasured.
+        self._chosen_depth = 0
 
     @property
     def scale(self) -> float:
@@ -196,7 +201,8 @@ class TreeCostControl:
         # zero values would otherwise dilute what a depth is worth to the others).
         active = sum(rid not in retired for rid in req_ids) if retired else len(par)
         if active:
-            self._learn_depths(par, values, budget.keep, active)
+            self._learn_depths(par, values, budget.keep, active, self._chosen_depth)
+        self._chosen_depth = 0
         s = self.stats
         s.rounds += 1
         s.all_zero_rounds += budget.total_nodes == 0
@@ -223,6 +229,7 @@ class TreeCostControl:
         self._last_total = total
         self._whole_last = {rid: sizes for rid in req_ids}
         self._whole_probe, self._probing = bool(self._probing), 0
+        self._chosen_depth = 0
         self._idle_rounds = 0 if total else self._idle_rounds + 1
         s = self.stats
         s.rounds += 1
@@ -261,8 +268,9 @@ class TreeCostControl:
             self._probe_paid(self._best_depth(active, deepest, True, False) == deepest)
 
     def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
-                      keep: list[np.ndarray], num_reqs: int) -> None:
+                      keep: list[np.ndarray], num_reqs: int, drafted_depth: int = 0) -> None:
         deepest = max((int(node_depths(p).max()) for p in parents if len(p)), default=0)
+        deepest = max(deepest, drafted_depth)
         value = np.zeros(deepest)
         nodes = np.zeros(deepest)
         for p, v, k in zip(parents, values, keep):
@@ -295,6 +303,12 @@ class TreeCostControl:
         (its KV caught up later: ``skip_debt`` per request is depth 0's cost).
         ``whole``: for trees verified whole (:meth:`verified_whole`), valued by how often
         their accepted paths reached each depth; else the pruned trees' kept values."""
+        depth = self._choose_depth(num_reqs, max_depth, skips_first_pass, whole)
+        self._chosen_depth = depth
+        return depth
+
+    def _choose_depth(self, num_reqs: int, max_depth: int, skips_first_pass: bool,
+                      whole: bool) -> int:
         if num_reqs <= 0 or max_depth <= 0:
             return 0
         values = (self._whole_value if whole else self._depth_value)[:max_depth]
@@ -364,6 +378,7 @@ class TreeCostControl:
         self._last = {rid: (0, 0.0) for rid in req_ids}
         self._last_total = 0
         self._idle_rounds += 1
+        self._chosen_depth = 0
         self.stats.rounds += 1
         self.stats.all_zero_rounds += 1
         self.stats.kept_histogram[0] = self.stats.kept_histogram.get(0, 0) + len(req_ids)
