@@ -332,7 +332,7 @@ class TreeCostControl:
     def _best_depth(self, num_reqs: int, max_depth: int, whole: bool,
                     skips_first_pass: bool) -> int:
         """``choose_tree_depth`` over the learnt per-depth values; a depth not measured
-        yet is valued as the deepest measured one above it (at least one is measured)."""
+        yet is valued as the deepest measured one above it (nothing, above none)."""
         values = self._whole_value if whole else self._depth_value
         nodes = self._whole_nodes if whole else self._depth_nodes
         depth_values: list[float] = []
@@ -340,8 +340,8 @@ class TreeCostControl:
         for d in range(max_depth):
             v = values[d] if d < len(values) else None
             if v is None:  # not measured: the deepest measured depth's value and nodes
-                depth_values.append(depth_values[-1])
-                depth_nodes.append(depth_nodes[-1])
+                depth_values.append(depth_values[-1] if depth_values else 0.0)
+                depth_nodes.append(depth_nodes[-1] if depth_nodes else 0)
                 continue
             depth_values.append(num_reqs * float(v))
             depth_nodes.append(int(round(num_reqs * float(nodes[d] or 0.0))))
