@@ -2,6 +2,12 @@
 # The full test suite: set-up (first run only), ruff, then pytest. Extra args go to pytest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+# Inductor's compiled kernels (vLLM compiles a few helpers even on CPU, e.g. the
+# vocab-parallel embedding's mask at tensor parallel 2) cached per CPU capability: a cache
+# filled under one ATEN_CPU_CAPABILITY and read under another gave the TP tests an
+# out-of-range embedding index (AVX2 simulation after a native run on one host,
+# 2026-11-27); each capability now compiles its own. TORCHINDUCTOR_CACHE_DIR set wins.
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/torchinductor-${ATEN_CPU_CAPABILITY:-native}}"
 echo "[test] ruff check" >&2
 ruff check .
 set +e
