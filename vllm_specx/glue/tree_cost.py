@@ -120,7 +120,7 @@ class TreeCostControl:
         self._idle_rounds = 0  # rounds in a row that verified no node (retires_arrivals)
         self._since_probe = 0
         self.probe_every = PROBE_EVERY  # rounds between probes (backs off)
-        self._probing = 0  # the depth this round probes, not yet pruned (0: no probe)
+        self._probing = False  # this round (of depth _chosen_depth) probes, not yet pruned
         # The depth choose_depth gave this round (0: none given): the depths down to it
         # are learnt from the round's trees even where none of its nodes reached the
         # deepest (a dynamic tree keeps its best max_nodes nodes, which may all be
@@ -192,16 +192,17 @@ class TreeCostControl:
             self._last[rid] = (int(keep.sum()), float(np.minimum(qq[keep], 1.0).sum()))
         self._last_total = budget.total_nodes
         self._idle_rounds = 0 if budget.total_nodes else self._idle_rounds + 1
+        depths = [node_depths(p) for p in par]
         if self._probing:
-            probed, self._probing = self._probing, 0
+            self._probing = False
             # Paid: the probed depth kept a node (a rooted subtree: so did every depth above).
-            self._probe_paid(any(bool((node_depths(p)[k] >= probed).any())
-                                 for p, k in zip(par, budget.keep)))
+            self._probe_paid(any(bool((d[k] >= self._chosen_depth).any())
+                                 for d, k in zip(depths, budget.keep)))
         # Per request that may draft: choose_depth scales by those (a retired request's
         # zero values would otherwise dilute what a depth is worth to the others).
         active = sum(rid not in retired for rid in req_ids) if retired else len(par)
         if active:
-            self._learn_depths(par, values, budget.keep, active, self._chosen_depth)
+            self._learn_depths(depths, values, budget.keep, active, self._chosen_depth)
         self._chosen_depth = 0
         s = self.stats
         s.rounds += 1
@@ -228,7 +229,7 @@ class TreeCostControl:
         self._last = {rid: (0, 0.0) for rid in req_ids}
         self._last_total = total
         self._whole_last = {rid: sizes for rid in req_ids}
-        self._whole_probe, self._probing = bool(self._probing), 0
+        self._whole_probe, self._probing = self._probing, False
         self._chosen_depth = 0
         self._idle_rounds = 0 if total else self._idle_rounds + 1
         s = self.stats
@@ -267,14 +268,14 @@ class TreeCostControl:
             active = max(len(drafted), 1)
             self._probe_paid(self._best_depth(active, deepest, True, False) == deepest)
 
-    def _learn_depths(self, parents: list[np.ndarray], values: list[np.ndarray],
+    def _learn_depths(self, depths: list[np.ndarray], values: list[np.ndarray],
                       keep: list[np.ndarray], num_reqs: int, drafted_depth: int = 0) -> None:
-        deepest = max((int(node_depths(p).max()) for p in parents if len(p)), default=0)
+        """``depths``: each tree's node depths (``node_depths``)."""
+        deepest = max((int(d.max()) for d in depths if len(d)), default=0)
         deepest = max(deepest, drafted_depth)
         value = np.zeros(deepest)
         nodes = np.zeros(deepest)
-        for p, v, k in zip(parents, values, keep):
-            d = node_depths(p)
+        for d, v, k in zip(depths, values, keep):
             np.add.at(value, d[k] - 1, v[k])
             np.add.at(nodes, d[k] - 1, 1.0)
         _forget_into(self._depth_value, self._depth_nodes, value / num_reqs, nodes / num_reqs)
@@ -325,7 +326,7 @@ class TreeCostControl:
         self._since_probe += 1
         if self._since_probe >= self.probe_every:
             self._since_probe = 0
-            self._probing = depth + 1
+            self._probing = True
             return depth + 1
         return depth
 
