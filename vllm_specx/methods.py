@@ -297,7 +297,10 @@ MTAD_COST_CONTROL = Knob(
     "and each request's acceptance so far; all 0 is a plain decode step that skips the "
     "draft model. Off by default: mtad's sampled output "
     "depends on how much it drafts, and the control weighs only speed (docs/cost-control.md); "
-    "for greedy traffic whose drafts may not pay. Either model runner; not with draft_tree",
+    "for greedy traffic whose drafts may not pay. With draft_tree: the tree's depth per "
+    "step (0..num_speculative_tokens, one for the batch) and then per request only the "
+    "beam tree's nodes that pay, down to none (as adaptive's draft-model tree). Either "
+    "model runner",
 )
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",
@@ -540,15 +543,6 @@ def mtad_tree_fits(ctx: CheckContext) -> Refusal | None:
     return tree_device_refusal(ctx, tree if isinstance(tree, bool) else dict(tree))
 
 
-def mtad_cost_control_fits(ctx: CheckContext) -> Refusal | None:
-    """``cost_control: true`` on mtad: its depth control plans the single-beam round, so
-    not with ``draft_tree`` (the beams' tree is verified whole; not pruned yet)."""
-    if ctx.settings.get("cost_control") and ctx.settings.get("draft_tree") not in (None, False):
-        return Refusal("cost_control", True, 'false with "draft_tree" on mtad (its beam tree '
-                       "is verified whole; the depth control plans single-beam rounds)")
-    return None
-
-
 def head_tree_fits(ctx: CheckContext) -> Refusal | None:
     """``draft_tree`` on an EAGLE head: ``validate_tree_knob``'s rules, not with the
     adaptive stop, the head's fed nodes within the tree limit, and the device (CPU only)."""
@@ -738,7 +732,7 @@ METHODS: dict[str, MethodSpec] = {
             default_num_speculative_tokens=4,
             knobs=(NUM_BEAMS, ACCEPTANCE_THRESHOLD, GREEDY_DRAFTING, HETEROGENEOUS_VOCAB,
                    MTAD_DRAFT_TREE, MTAD_COST_CONTROL),
-            checks=(beam_positions_fit_device, mtad_tree_fits, mtad_cost_control_fits),
+            checks=(beam_positions_fit_device, mtad_tree_fits),
             rule="mtad",
             proposer=named("vllm_specx.glue.mtad_proposer:MTADProposer"),
             v2_speculator=named("vllm_specx.glue.v2_speculators:MTADV2Speculator"),

@@ -267,8 +267,6 @@ def test_adaptive_translation():
     ({"method": "specx_mtp", "cost_control": True}, '"adaptive": true'),
     ({"method": "specx_eagle3", "model": "d", "cost_control": True}, '"adaptive": true'),
     ({"method": "mtad", "model": "d", "cost_control": 1}, "true or false"),
-    ({"method": "mtad", "model": "d", "cost_control": True, "draft_tree": True},
-     'false with "draft_tree" on mtad'),
 ])
 def test_cost_control_knob_refused_in_one_line(config, allowed):
     with pytest.raises(SpecxConfigError) as err:
@@ -312,6 +310,11 @@ def test_mtad_cost_control_is_a_knob_off_by_default():
     off = run({"method": "mtad", "model": "d", "cost_control": False, "draft_tree": True})
     assert off.specx_settings["cost_control"] is False
     assert METHODS["mtad"].v1_only_reason(off.specx_settings) is None
+    # With its beam tree too (the tree control prunes it, glue/tree_cost.py), either runner.
+    tree = run({"method": "mtad", "model": "d", "cost_control": True, "draft_tree": True})
+    assert tree.specx_settings["cost_control"] is True
+    assert tree.specx_settings["draft_tree"] is True
+    assert METHODS["mtad"].v1_only_reason(tree.specx_settings) is None
 
 
 def test_another_method_s_switch_turned_on_is_still_refused():

@@ -211,3 +211,70 @@ def test_penalties_fall_back_to_chain_verification(pair, engine):
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
     assert stats.chain_fallback_steps > before[1]
     assert stats.tree_requests == before[0]
+
+
+def test_cost_control_prunes_the_beam_tree(pair, engine):
+    """``"cost_control": true`` with ``draft_tree`` on mtad (a fixed cost model: a node
+    pays only where its path's value beats ~0.1 of the step's rate): the beams run to
+    the depth chosen before the first pass and each request's beam tree is cut to the
+    nodes that pay, to several sizes, some to none; greedy rows equal plain greedy
+    decoding, and sampled rows (MTAD's deepest passing node, on the cut tree) run to
+    their length."""
+    from vllm import SamplingParams
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+    from vllm_specx.glue.tree_cost import tree_cost_control_for
+
+    _, target = pair
+    drafter = engine.runner.drafter
+    assert drafter.settings["cost_control"] is False  # mtad's default
+    drafter.settings = {**drafter.settings, "cost_control": True}
+    drafter._tree_cost = None
+    try:
+        control = tree_cost_control_for(drafter)
+        assert control is not None
+        control.fixed_costs = StepCosts(target_base=0.0, target_per_request=1.0,
+                                        target_per_token=0.1, draft_pass=0.0, draft_row=0.0)
+        prompts = prompts_of([6, 17, 25, 9], seed=11)
+        params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts[:3]]
+        params.append(SamplingParams(temperature=0.9, max_tokens=10, seed=2, ignore_eos=True))
+        before = engine.state.stats.tree_requests
+        outs = engine.generate(prompts, params)
+        stats = drafter.specx_stats()
+    finally:
+        drafter.settings = {**drafter.settings, "cost_control": False}
+        drafter._tree_cost = None
+    for out, prompt, sp in zip(outs, prompts, params):
+        tokens = list(out.outputs[0].token_ids)
+        if sp.temperature == 0.0:
+            assert tokens == greedy_generate(target, prompt, sp.max_tokens), out.request_id
+        else:
+            assert len(tokens) == sp.max_tokens
+    assert engine.state.stats.tree_requests > before  # the cut trees were verified as trees
+    sizes = {int(k) for k, v in control.describe()["kept_histogram"].items() if v}
+    assert control.stats.rounds > 0, control.describe()
+    assert 0 < control.stats.kept_nodes < control.stats.drafted_nodes, control.describe()
+    assert len(sizes) >= 2 and max(sizes) >= 2, sizes
+    # The drafter reports its tree control (vllm-specx bench prints it).
+    assert stats["tree_cost_control"]["kept_nodes"] == control.stats.kept_nodes
+
+
+def test_depth_zero_rounds_skip_the_draft_models_first_pass(pair, engine):
+    """mtad's beam tree with cost control, its depths scripted (``idle_steps``: runs of
+    one and four depth-0 rounds): a round of depth 0 is a plain step that skips the
+    draft model's first pass, its draft KV caught up before the next first pass that
+    runs; every tree drafted after a skip, and every first pass's output, equals that
+    with every first pass run, and greedy output equals no speculation."""
+    from idle_steps import check_idle_steps, run_idle_steps
+    from vllm import SamplingParams
+
+    _, target = pair
+    drafter = engine.runner.drafter
+    prompts = prompts_of([6, 17, 25, 9], seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    try:
+        idle = run_idle_steps(engine.llm, drafter, B * K, prompts, params,
+                              fresh_prefix_cache=True, tree=True)
+    finally:
+        drafter._tree_cost = None
+    check_idle_steps(idle, [greedy_generate(target, p, 16) for p in prompts])

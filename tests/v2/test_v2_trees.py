@@ -163,8 +163,20 @@ def test_adaptive_tree_cost_control_prunes_on_v2(adaptive_tree_run, v2_host, v2_
     model: each request's tree is cut to the nodes that pay, to several sizes (some to
     nothing), the scheduler receives the cut trees, and greedy output equals no
     speculation (as on V1)."""
-    run = v2_host.call("adaptive-tree", f"{__name__}:pruned_tree_run", PROMPTS)
-    assert run["outputs"] == v2_reference
+    _assert_pruned(v2_host.call("adaptive-tree", f"{__name__}:pruned_tree_run", PROMPTS),
+                   v2_reference)
+
+
+def test_mtad_tree_cost_control_prunes_on_v2(mtad_tree_run, v2_host, v2_reference):
+    """``mtad`` with ``draft_tree`` and ``"cost_control": true`` on V2 (its beams, the
+    same fixed cost model): the beam trees are cut as ``adaptive``'s are, greedy output
+    equals no speculation (as V1's ``tests/mtad/test_mtad_tree_engine.py``)."""
+    _assert_pruned(v2_host.call("mtad-tree", f"{__name__}:pruned_tree_run", PROMPTS),
+                   v2_reference)
+
+
+def _assert_pruned(run: dict[str, Any], reference: list[list[int]]) -> None:
+    assert run["outputs"] == reference
     control = run["control"]
     assert control["rounds"] > 0 and 0 < control["kept_nodes"] < control["drafted_nodes"], \
         control

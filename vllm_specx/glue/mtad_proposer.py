@@ -277,6 +277,8 @@ class MTADRound:
         rows). All zero skips the first pass (a plain decode step; ``DraftKVHoles``
         catches the draft KV up later). A request carries its ``B`` beams in each pass it
         takes part in, one under ``greedy_drafting: "chain"`` when it is greedy."""
+        if self.tree_state is not None:
+            return self._plan_tree_before_first_pass(k, req_ids, num_rejected, target_tokens)
         control = self.cost_control(k)
         if control is None:
             return None
@@ -322,9 +324,11 @@ class MTADRound:
     # the round after the first pass
     # ----------------------------------------------------------------------------------
 
-    def draft_round(  # type: ignore[override]
+    def _beam_round(
         self, start: RoundStart, sampling_metadata: SamplingMetadata
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[list[int]]:
+        """The beam search to the plan's depths (all K without a plan); with a tree, its
+        beams verified as one tree (:meth:`_tree_round`)."""
         k, num_reqs = start.k, start.num_reqs
         if self.tree_state is not None:
             # vLLM's K is the tree's node budget; the beams' depth is the specx K.
@@ -464,8 +468,8 @@ class MTADRound:
         # runner.requests, V2's request states.
         req_ids = list(start.req_ids if start.req_ids is not None
                        else runner.input_batch.req_ids[:num_reqs])
-        # Cost control (adaptive's draft_tree with cost_control: DraftTreeRound sets it
-        # for the round) keeps per request the nodes that pay (glue/tree_cost.py).
+        # Cost control (a tree with cost_control: draft_round sets it for the round)
+        # keeps per request the nodes that pay (glue/tree_cost.py).
         control = getattr(self, "_round_tree_cost", None)
         kept = [torch.arange(int(n)) for n in n_nodes]
         if control is not None:
@@ -511,8 +515,122 @@ class MTADRound:
 
     def specx_stats(self) -> dict[str, Any]:
         """The drafter's own counters for ``vllm-specx bench`` (``DrafterStats`` keys), and
-        the depth control's model and plans when it ran (as the chain drafters report)."""
-        return cost_control_stats(self, self.stats.as_dict())
+        the depth control's (chain) or the tree control's (``draft_tree``) model and plans
+        when it ran."""
+        return tree_cost_stats(self, cost_control_stats(self, self.stats.as_dict()))
+
+    # ----------------------------------------------------------------------------------
+    # draft trees under cost control (glue/tree_cost.py): mtad's beams, adaptive's top-k
+    # ----------------------------------------------------------------------------------
+
+    # The tree cost control while a round's tree is pruned (read by _tree_round), else None.
+    _round_tree_cost: Any = None
+    # The drafter's tree cost control (glue/tree_cost.tree_cost_control_for), made once.
+    _tree_cost: Any = None
+
+    def draft_round(  # type: ignore[override]
+        self, start: RoundStart, sampling: Any
+    ) -> torch.Tensor | list[list[int]]:
+        """The round after the first pass: the beam search (:meth:`_beam_round`), and with
+        a tree and cost control the tree's depth (chosen before the first pass, or here
+        where the first pass ran unplanned) and its pruning to the nodes that pay."""
+        if self.tree_state is None:
+            return self._beam_round(start, sampling)
+        control = tree_cost_control_for(self)
+        plan = start.plan if isinstance(start.plan, TreeRoundPlan) else None
+        if plan is not None and plan.skip_first_pass:
+            # Depth 0 and the first pass ran (a drafter told not to skip it): the plan
+            # already ended and recorded the round.
+            return [[] for _ in range(start.num_reqs)]
+        if control is not None:
+            if start.k == 0:
+                control.forget_interval()
+            elif plan is None:
+                control.begin(start.req_ids, start.num_rejected, start.target_tokens)
+        sampled = self.may_draft_sampled_children() and self._wants_sampled_tree(
+            sampling, start.num_reqs)
+        # The round's depth: chosen before the first pass, or here. A tree of i.i.d.
+        # children (sampled) is drafted to it and verified whole (keeping a node's
+        # children or not by what they drew would bias the sampled rule); a tree of
+        # beams (top-k) is drafted to it and pruned. Depth 0: a plain step.
+        depth = plan.depth if plan is not None else None
+        if control is not None and start.k > 0 and depth is None:
+            req_ids = list(start.req_ids or ())
+            depth = self._round_depth(control, req_ids, start.k, sampled,
+                                      before_first_pass=False)
+            if depth == 0:
+                self._plain_round(control, req_ids)
+                return [[] for _ in range(start.num_reqs)]
+        if sampled:
+            return self._sampled_tree_round(start, sampling, depth, control)
+        self._round_tree_cost = control if start.k > 0 else None
+        # The beams run to the chosen depth (the beam round reads its plan as per-request
+        # depths: every request this one) and the tree is pruned after; without a
+        # control, to the configured depth.
+        plan_depths = None
+        if control is not None and depth is not None:
+            plan_depths = RoundPlan(AlwaysContinue(max(int(depth), 1)),
+                                    torch.full((start.num_reqs,), int(depth),
+                                               dtype=torch.int64), 0.0)
+        try:
+            return self._beam_round(replace(start, plan=plan_depths), sampling)
+        finally:
+            self._round_tree_cost = None
+
+    def _plan_tree_before_first_pass(
+        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
+        target_tokens: int,
+    ) -> TreeRoundPlan | None:
+        """With cost control, a tree round's depth before the first pass: the beams (or
+        i.i.d. children) are drafted to it, from what earlier rounds kept (or accepted)
+        per depth, as the EAGLE trees do. Depth 0 (:class:`TreeRoundPlan` with
+        ``skip_first_pass``) is a plain step whose first pass is skipped; its price
+        includes what that leaves to a later catch-up. None (``cost_control`` off, or
+        the batch's greedy-ness unknown): the round plans after the first pass."""
+        control = tree_cost_control_for(self)
+        if control is None or k <= 0:
+            return None
+        sampled = self._round_is_sampled(req_ids)
+        if sampled is None:
+            return None
+        control.begin(req_ids, num_rejected, target_tokens)
+        depth = self._round_depth(control, req_ids, k, sampled, before_first_pass=True)
+        if depth > 0:
+            return TreeRoundPlan(depth, skip_first_pass=False)
+        self._plain_round(control, req_ids)
+        return TreeRoundPlan(0, skip_first_pass=True)
+
+    def _round_depth(self, control: TreeCostControl, req_ids: Sequence[str], k: int,
+                     sampled: bool, before_first_pass: bool) -> int:
+        """The round's depth from the tree control, over the requests that may draft:
+        i.i.d. children's from the whole rounds' accepted paths (up to the depths their
+        node budget allows), the beams' from the pruned trees (up to the beams' depth,
+        the specx K: vLLM's K is the node budget)."""
+        return control.choose_depth(
+            requests_that_may_draft(self, req_ids),
+            sampled_tree_depths(self.settings, k) if sampled
+            else int(self.settings["num_speculative_tokens"]),
+            skips_first_pass=before_first_pass, whole=sampled)
+
+    def _plain_round(self, control: TreeCostControl, req_ids: Sequence[str]) -> None:
+        """A round of depth 0: it ends here, and every request's tree is empty."""
+        control.skipped(req_ids)
+        empty = [torch.empty(0, dtype=torch.int64) for _ in req_ids]
+        self.tree_state.record_round(list(req_ids), empty, empty)
+
+    # i.i.d. children (DraftTreeRound): an mtad tree is its beams, never sampled children.
+    def may_draft_sampled_children(self) -> bool:
+        return False
+
+    def _round_is_sampled(self, req_ids: Sequence[str]) -> bool | None:
+        return False
+
+    def _wants_sampled_tree(self, sampling: Any, num_reqs: int) -> bool:
+        return False
+
+    def _sampled_tree_round(self, start: RoundStart, sampling: Any, depth: int | None,
+                            control: TreeCostControl | None) -> list[list[int]] | torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} drafts no i.i.d. children")
 
 
 class MTADProposer(MTADRound, SpecxDraftModelProposer):
@@ -545,15 +663,6 @@ class DraftTreeRound(MTADRound):
       on what they drew): with ``cost_control`` their depth is chosen before drafting,
       0 included, and they are verified whole."""
 
-    def specx_stats(self) -> dict[str, Any]:
-        """The round's stats, and the tree cost control's model and prunings when it ran
-        (``vllm-specx bench`` prints them), as the EAGLE head trees report."""
-        return tree_cost_stats(self, super().specx_stats())  # type: ignore[misc]
-
-    # The tree cost control while a top-k round runs (read by _tree_round), else None.
-    _round_tree_cost: Any = None
-    # The drafter's tree cost control (glue/tree_cost.tree_cost_control_for), made once.
-    _tree_cost: Any = None
     # The last sampled-children round's [R, N, V] q rows (None after a top-k round).
     _sampled_q: torch.Tensor | None = None
     sampled_tree_rounds: int = 0
@@ -573,106 +682,27 @@ class DraftTreeRound(MTADRound):
         greedy = self._greedy_requests(tuple(req_ids))
         return None if greedy is None else not bool(greedy.all())
 
-    def _round_depth(self, control: TreeCostControl, req_ids: Sequence[str], k: int,
-                     sampled: bool, before_first_pass: bool) -> int:
-        """The round's depth from the tree control, over the requests that may draft:
-        i.i.d. children's from the whole rounds' accepted paths (up to the depths their
-        node budget allows), the top-k tree's from its pruned trees."""
-        shape = draft_model_tree(self.settings)
-        assert shape is not None
-        return control.choose_depth(
-            requests_that_may_draft(self, req_ids),
-            sampled_tree_depths(self.settings, k) if sampled else int(shape["max_depth"]),
-            skips_first_pass=before_first_pass, whole=sampled)
-
-    def _plain_round(self, control: TreeCostControl, req_ids: Sequence[str]) -> None:
-        """A round of depth 0: it ends here, and every request's tree is empty."""
-        control.skipped(req_ids)
-        empty = [torch.empty(0, dtype=torch.int64) for _ in req_ids]
-        self.tree_state.record_round(list(req_ids), empty, empty)
-
-    def plan_before_first_pass(
-        self, k: int, req_ids: tuple[str, ...], num_rejected: torch.Tensor | None,
-        target_tokens: int,
-    ) -> Any:
-        """With cost control, the round's depth before the first pass: the sampled round
-        drafts i.i.d. children to it (from how often earlier whole rounds' accepted paths
-        reached each depth), the top-k round drafts its beams to it and prunes the tree
-        after (from what the pruned trees kept per depth), as the EAGLE trees do. Depth 0
-        (:class:`TreeRoundPlan` with ``skip_first_pass``) is a plain step whose first pass
-        is skipped; its price includes what that leaves to a later catch-up. None
-        (``cost_control`` off, or the batch's greedy-ness unknown): the round plans after
-        the first pass."""
-        control = tree_cost_control_for(self) if self.tree_state is not None else None
-        if control is None or k <= 0:
-            return None
-        sampled = self._round_is_sampled(req_ids)
-        if sampled is None:
-            return None
-        control.begin(req_ids, num_rejected, target_tokens)
-        depth = self._round_depth(control, req_ids, k, sampled, before_first_pass=True)
-        if depth > 0:
-            return TreeRoundPlan(depth, skip_first_pass=False)
-        self._plain_round(control, req_ids)
-        return TreeRoundPlan(0, skip_first_pass=True)
-
     def may_draft_sampled_children(self) -> bool:
         """Whether the runner's sampler reads the q rows of i.i.d. children (V1's specx
         sampler always does; on V2 only the specx sampler, which a tree config installs)."""
         return True
 
+    def _wants_sampled_tree(self, sampling: Any, num_reqs: int) -> bool:
+        from vllm_specx.glue.sampled_tree_round import wants_sampled_tree
+
+        return wants_sampled_tree(self, sampling, num_reqs)
+
+    def _sampled_tree_round(self, start: RoundStart, sampling: Any, depth: int | None,
+                            control: TreeCostControl | None) -> list[list[int]] | torch.Tensor:
+        from vllm_specx.glue.sampled_tree_round import sampled_tree_round
+
+        return sampled_tree_round(self, start, sampling, depth=depth, control=control)
+
     def draft_round(  # type: ignore[override]
         self, start: RoundStart, sampling: Any
-    ) -> Any:
-        from vllm_specx.glue.sampled_tree_round import sampled_tree_round, wants_sampled_tree
-
+    ) -> torch.Tensor | list[list[int]]:
         self._sampled_q = None
-        control = tree_cost_control_for(self) if self.tree_state is not None else None
-        # The depth chosen before the first pass (None: the first pass ran unplanned, a
-        # runner that did not say which requests are greedy; the round plans now).
-        plan = start.plan if isinstance(start.plan, TreeRoundPlan) else None
-        if plan is not None and plan.skip_first_pass:
-            # Depth 0 and the first pass ran (a drafter told not to skip it): the plan
-            # already ended and recorded the round.
-            return [[] for _ in range(start.num_reqs)]
-        if control is not None:
-            if start.k == 0:
-                control.forget_interval()
-            elif plan is None:
-                control.begin(start.req_ids, start.num_rejected, start.target_tokens)
-        sampled = (self.tree_state is not None and self.may_draft_sampled_children()
-                   and wants_sampled_tree(self, sampling, start.num_reqs))
-        # The round's depth: chosen before the first pass, or here where the first pass
-        # ran unplanned. i.i.d. children (sampled) are not pruned after drafting (keeping
-        # a node's children or not by what they drew would bias the sampled rule), so
-        # they are drafted to it, chosen from how often the last whole rounds' accepted
-        # paths reached each depth, and verified whole; the top-k tree is drafted to it,
-        # chosen from what the pruned trees kept per depth, and pruned. Depth 0: a plain
-        # step.
-        depth = plan.depth if plan is not None else None
-        if control is not None and start.k > 0 and depth is None:
-            req_ids = list(start.req_ids or ())
-            depth = self._round_depth(control, req_ids, start.k, sampled,
-                                      before_first_pass=False)
-            if depth == 0:
-                self._plain_round(control, req_ids)
-                return [[] for _ in range(start.num_reqs)]
-        if sampled:
-            return sampled_tree_round(self, start, sampling, depth=depth, control=control)
-        self._round_tree_cost = control if start.k > 0 else None
-        # The top-k tree is drafted to the chosen depth (the beam round reads its plan as
-        # per-request depths: every request this one) and pruned after; without a
-        # control, to the configured depth.
-        plan_depths = None
-        if control is not None and depth is not None:
-            plan_depths = RoundPlan(AlwaysContinue(max(int(depth), 1)),
-                                    torch.full((start.num_reqs,), int(depth),
-                                               dtype=torch.int64), 0.0)
-        try:
-            return super().draft_round(  # type: ignore[misc]
-                replace(start, plan=plan_depths), sampling)
-        finally:
-            self._round_tree_cost = None
+        return super().draft_round(start, sampling)
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         # A top-k round hands no q: a tree verified as a chain (a step that falls back to
@@ -693,8 +723,6 @@ class DraftTreeProposer(DraftTreeRound, SpecxDraftModelProposer):
 def tree_drafter_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """A draft-model tree's shape as the MTAD round's knobs (beams = branching, K = depth;
     greedy requests draft the tree too)."""
-    from vllm_specx.methods import draft_model_tree
-
     shape = draft_model_tree(settings)
     assert shape is not None
     return {**settings, "num_beams": shape["branching"],
