@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--slowest", type=int, default=0,
+                    help="also print each call's N slowest calls (their order in the run, us)")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -106,9 +108,14 @@ def main() -> int:
           f"{tokens} tokens, process CPU {1e3 * cpu:.1f} ms ({1e3 * cpu / tokens:.2f} ms a token)")
     print(f"{'call':40s} {'calls':>6s} {'total ms':>10s} {'mean us':>10s} {'median us':>10s}")
     for key, values in sorted(times.items()):
-        values = sorted(values)
+        ordered = sorted(values)
         print(f"{key:40s} {len(values):6d} {1e3 * sum(values):10.1f} "
-              f"{1e6 * sum(values) / len(values):10.1f} {1e6 * values[len(values) // 2]:10.1f}")
+              f"{1e6 * sum(values) / len(values):10.1f} {1e6 * ordered[len(values) // 2]:10.1f}")
+    if args.slowest:
+        print(f"slowest {args.slowest} calls (call number: us)")
+        for key, values in sorted(times.items()):
+            slow = sorted(range(len(values)), key=lambda i: -values[i])[: args.slowest]
+            print(f"  {key:38s} " + ", ".join(f"{i}: {1e6 * values[i]:.0f}" for i in slow))
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "kv_holes"):
         print("draft-KV holes:", json.dumps(drafter.kv_holes().as_dict()))

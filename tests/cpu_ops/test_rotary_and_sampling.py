@@ -102,3 +102,24 @@ def test_gumbel_argmax_samples_softmax_distribution():
     expected = probs / probs.sum() * draws
     result = chisquare(counts[:-1].double().numpy(), expected.numpy())
     assert result.pvalue > 1e-3, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (8, 300), (19, 1000)])
+def test_gumbel_argmax_is_the_reference_draw_bit_for_bit(rows, vocab, dtype):
+    """The op (chunks of ``ROWS_PER_CHUNK`` rows in reused buffers, a partial last chunk
+    at 19 rows) draws what the reference formula draws: ``argmax(logits.double() +
+    gumbel_noise(seeds))``, row for row, with masked tokens and a tied row; called twice
+    (the buffers reused) and after a call of another vocabulary size."""
+    from vllm_specx.cpu_ops.sampling import gumbel_noise
+
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = (3 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    logits[:, ::5] = float("-inf")
+    logits[0, 1::5] = 0.0  # one row of many equal logits: the noise alone decides
+    seeds = torch.randint(0, 2**31, (rows,), generator=g)
+    reference = (logits.double() + gumbel_noise(seeds, vocab)).argmax(dim=-1)
+    first = torch.ops._C.fused_gumbel_argmax(logits, seeds)
+    torch.ops._C.fused_gumbel_argmax(torch.randn(3, 77), seeds[:1].expand(3))
+    again = torch.ops._C.fused_gumbel_argmax(logits, seeds)
+    assert torch.equal(first, reference) and torch.equal(again, reference)
