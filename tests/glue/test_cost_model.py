@@ -285,11 +285,13 @@ def test_bench_report_prints_the_cost_model():
     line = next(x for x in markdown_table(report).splitlines()
                 if x.startswith("- cost control of adaptive cc"))
     assert "7 requests retired from drafting (idle for 48 skipped steps in a row" in line
-    stats["idle_first_pass"]["retired_on_arrival"] = 5
+    stats["idle_first_pass"].update(retired_on_arrival=5, retired_idle_batch=1,
+                                    retire_idle_batch_after=16)
     line = next(x for x in markdown_table(report).splitlines()
                 if x.startswith("- cost control of adaptive cc"))
-    assert ("7 requests retired from drafting (5 on arrival, while nobody drafted and not "
-            "even a sure draft token paid; the rest idle for 48 skipped steps in a row") in line
+    assert ("7 requests retired from drafting (5 on arrival and 1 with their batch, once 16 "
+            "plans in a row drafted nothing and not even a sure draft token paid; the rest "
+            "idle for 48 skipped steps in a row") in line
 
 
 def test_cpu_backend_times_steps_by_this_process_cpu_time():
@@ -667,25 +669,31 @@ def test_requests_arriving_where_no_sure_token_pays_retire_on_arrival():
     holes.admit(drafter, ("a", "b"))
     assert holes.admitted == {"a", "b"} and not holes.retired
     control.plan_depths(("a", "b"), 4, 1)  # the fifth idle plan in a row
-    # Now new requests retire at once; the admitted ones stay admitted.
-    holes.admit(drafter, ("a", "b", "c", "d"))
-    assert holes.retired == {"c", "d"} and holes.retired_on_arrival == 2
-    assert holes.as_dict()["retired_on_arrival"] == 2
-    assert control.plan_depths(("a", "b", "c", "d"), 4, 1)[2:].tolist() == [0, 0]
-    # Where a sure token pays, new requests are admitted.
+    # Where a sure token pays, nobody retires: new requests are admitted.
     control.fixed_costs = memory_bound
-    holes.admit(drafter, ("a", "b", "c", "d", "e"))
-    assert "e" in holes.admitted and holes.retired == {"c", "d"}
+    holes.admit(drafter, ("a", "b", "e"))
+    assert holes.admitted == {"a", "b", "e"} and not holes.retired
+    # Where none pays, new requests retire at once, and so does the batch they join
+    # (nothing could make its requests draft before the batch shrinks).
+    control.fixed_costs = compute_bound
+    holes.admit(drafter, ("a", "b", "c", "d"))
+    assert holes.retired == {"a", "b", "c", "d"}
+    assert holes.retired_on_arrival == 2 and holes.retired_idle_batch == 2
+    assert holes.as_dict()["retired_on_arrival"] == 2
+    assert holes.as_dict()["retired_idle_batch"] == 2
+    assert not control.plan_depths(("a", "b", "c", "d"), 4, 1).any()
     # While the plan drafts for someone (cheap drafts here), new requests are admitted
     # whatever a lone sure token would earn; after five idle plans again, retired.
-    assert control.plan_depths(("a", "b"), 4, 1).any()
+    control.fixed_costs = memory_bound
+    assert control.plan_depths(("e",), 4, 1).any()
     control.fixed_costs = compute_bound
-    holes.admit(drafter, ("a", "b", "f"))
-    assert "f" in holes.admitted
+    holes.admit(drafter, ("e", "f"))
+    assert "f" in holes.admitted and not {"e", "f"} & holes.retired
     for _ in range(5):
-        control.plan_depths(("a", "b"), 4, 1)
-    holes.admit(drafter, ("a", "b", "g"))
-    assert "g" in holes.retired and holes.retired_on_arrival == 3
+        control.plan_depths(("e", "f"), 4, 1)
+    holes.admit(drafter, ("e", "f", "g"))
+    assert {"e", "f", "g"} <= holes.retired and holes.retired_on_arrival == 3
+    assert holes.retired_idle_batch == 4
 
 
 def test_a_fit_solved_every_few_steps_is_the_every_step_fit_at_those_steps():

@@ -251,16 +251,17 @@ def test_tree_requests_arriving_where_no_sure_node_pays_retire_on_arrival():
     assert holes.admitted == {"a", "b"} and not holes.retired
     assert not control.prune(["a"], [parents], [logq], 0, 0)[0].any()  # idle round 3
     assert not control.sure_node_pays(3) and control.retires_arrivals(3, 3)
-    holes.admit(drafter, ("a", "b", "c"))
-    assert holes.retired == {"c"} and holes.retired_on_arrival == 1
-    control.fixed_costs = cheap  # a sure node pays: admitted
+    control.fixed_costs = cheap  # a sure node pays: admitted, nobody retires
     assert control.sure_node_pays(4)
-    holes.admit(drafter, ("a", "b", "c", "d"))
-    assert "d" in holes.admitted
-    control.fixed_costs = dear
-    control.verified_whole(["a"], [2, 2])  # a round that verified nodes: not idle
-    holes.admit(drafter, ("a", "e"))
-    assert "e" in holes.admitted and holes.retired == {"c"}
+    holes.admit(drafter, ("a", "b", "d"))
+    assert "d" in holes.admitted and not holes.retired
+    control.fixed_costs = dear  # none pays: the arrival retires, and the batch with it
+    holes.admit(drafter, ("a", "b", "c"))
+    assert holes.retired == {"a", "b", "c"}
+    assert holes.retired_on_arrival == 1 and holes.retired_idle_batch == 2
+    control.verified_whole(["d"], [2, 2])  # a round that verified nodes: not idle
+    holes.admit(drafter, ("d", "e"))
+    assert "e" in holes.admitted and holes.retired == {"a", "b", "c"}
 
 
 def test_bench_report_prints_what_the_tree_control_kept():

@@ -119,6 +119,17 @@ def test_mtad_tree_greedy_under_preemption_and_mid_tree_ends_on_v2(mtad_tree_run
     _assert_tree_steps(mtad_tree_run, 2 * 3)
 
 
+def test_mtad_tree_cost_control_prunes_on_v2(mtad_tree_run, v2_host, v2_reference):
+    """``mtad`` with ``draft_tree`` and ``"cost_control": true`` on V2 (its beams, the
+    same fixed cost model): the beam trees are cut as ``adaptive``'s are, greedy output
+    equals no speculation (as V1's ``tests/mtad/test_mtad_tree_engine.py``). Before the
+    adaptive tree's tests: an engine started in the V2 host takes vLLM's metrics over
+    (``unregister_vllm_metrics``), so the mtad engine must not start between the adaptive
+    engine's tests, whose idle-step check reads its counters."""
+    _assert_pruned(v2_host.call("mtad-tree", f"{__name__}:pruned_tree_run", PROMPTS),
+                   v2_reference)
+
+
 def test_adaptive_tree_greedy_equals_no_speculation_on_v2(adaptive_tree_run, v2_reference):
     """Greedy requests in a batch with a sampled one give the no-speculation tokens, one of
     them ending inside a tree; the sampled request runs its tree to its length. While the
@@ -164,14 +175,6 @@ def test_adaptive_tree_cost_control_prunes_on_v2(adaptive_tree_run, v2_host, v2_
     nothing), the scheduler receives the cut trees, and greedy output equals no
     speculation (as on V1)."""
     _assert_pruned(v2_host.call("adaptive-tree", f"{__name__}:pruned_tree_run", PROMPTS),
-                   v2_reference)
-
-
-def test_mtad_tree_cost_control_prunes_on_v2(mtad_tree_run, v2_host, v2_reference):
-    """``mtad`` with ``draft_tree`` and ``"cost_control": true`` on V2 (its beams, the
-    same fixed cost model): the beam trees are cut as ``adaptive``'s are, greedy output
-    equals no speculation (as V1's ``tests/mtad/test_mtad_tree_engine.py``)."""
-    _assert_pruned(v2_host.call("mtad-tree", f"{__name__}:pruned_tree_run", PROMPTS),
                    v2_reference)
 
 

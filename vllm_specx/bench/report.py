@@ -289,9 +289,12 @@ def _retired_text(idle: Any) -> str:
     if not isinstance(idle, dict) or not idle.get("retired_requests"):
         return ""
     arrival = idle.get("retired_on_arrival") or 0
+    batch = idle.get("retired_idle_batch") or 0
+    after = idle.get("retire_idle_batch_after")
     return (f"; {idle['retired_requests']} requests retired from drafting ("
-            + (f"{arrival} on arrival, while nobody drafted and not even a sure draft "
-               f"token paid; the rest " if arrival else "")
+            + (f"{arrival} on arrival and {batch} with their batch, once {after} plans in "
+               f"a row drafted nothing and not even a sure draft token paid; the rest "
+               if arrival or batch else "")
             + f"idle for {idle.get('retire_after')} skipped steps in a row: no draft KV "
             f"upkeep after)")
 

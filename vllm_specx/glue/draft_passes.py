@@ -663,6 +663,15 @@ class DraftKVHoles:
     and, with prefix caching, the draft KV of the blocks it fills after retiring: a later
     request reusing them (a chat's next turn) drafts over those gaps, lossless, with fewer
     drafts accepted, which its own acceptance history then shows.
+
+    The same judgement retires the requests already in the batch (:meth:`admit`): once
+    :attr:`idle_batch_plans` plans in a row drafted nothing for anyone at a batch size
+    where not even a sure draft token pays, every request of the batch stops its upkeep
+    then, not after its own :attr:`retire_after` skipped steps. Nothing could make one of
+    them draft before the batch shrinks (no probe pays either), and until then each of
+    them paid the catch-ups at its block ends and the plan's weighing every step: a closed
+    batch of 8 x 32 tokens on a CPU host (real pair, T = 1) never reached 48 idle steps and
+    ran at 0.95x of no speculation with nothing drafted.
     """
 
     # Skipped steps in a row after which a request retires: three probe intervals
@@ -672,6 +681,10 @@ class DraftKVHoles:
     # hole (one position a step, plus the verified rows of its first skipped step) stays
     # within ``HeadKVHoles.max_hole`` (64) until then.
     retire_after = 48
+    # Idle plans in a row after which, where not even a sure draft token pays at the batch
+    # size, the batch's requests retire (arrivals on arrival; :attr:`idle_batch_plans`):
+    # one probe interval, enough for the cost model to have measured the step it judges by.
+    retire_idle_batch_after = 16
 
     def __init__(self, block_size: int, prefix_caching: bool) -> None:
         self.block_size = max(int(block_size), 1)
@@ -682,6 +695,7 @@ class DraftKVHoles:
         self.retired: set[str] = set()  # requests without draft KV upkeep, never to draft
         self.retirements = 0
         self.retired_on_arrival = 0  # of those, retired at their first step (admit)
+        self.retired_idle_batch = 0  # of those, retired with their batch (admit)
         self.admitted: set[str] = set()  # requests seen and not retired on arrival
         self.skipped_first_passes = 0
         self.block_end_catch_ups = 0  # skipped steps that caught up blocks vLLM caches
@@ -692,22 +706,36 @@ class DraftKVHoles:
         # set it small to exercise holes caught up over several passes.
         self.pass_tokens: int | None = None
 
+    @property
+    def idle_batch_plans(self) -> int:
+        """Idle plans in a row after which a batch where no sure token pays retires (see
+        the class doc): :attr:`retire_idle_batch_after`, never later than a request's own
+        :attr:`retire_after`."""
+        return min(self.retire_after, self.retire_idle_batch_after)
+
     def admit(self, proposer: Any, req_ids: Sequence[str]) -> None:
-        """At the start of every step, before :meth:`may_skip`: retire the batch's new
-        requests at once where nothing could pay now (see the class doc), so that no
-        first pass, catch-up or kept input is ever spent on them; admit them otherwise."""
-        new = [rid for rid in req_ids if rid not in self.admitted and rid not in self.retired]
-        if not new:
+        """At the start of every step, before :meth:`may_skip`: where nothing could pay now
+        (see the class doc) retire the batch's new requests at once, so that no first
+        pass, catch-up or kept input is ever spent on them, and the requests already in
+        it; admit new ones otherwise."""
+        live = [rid for rid in req_ids if rid not in self.retired]
+        if not live:
             return
         # A tree drafter's tree control judges by its trees (TreeCostControl), a chain
         # drafter's chain control by its lengths (CostControl).
         control = (getattr(proposer, "_tree_cost", None)
                    if getattr(proposer, "tree_state", None) is not None
                    else getattr(proposer, "_cost_control", None))
-        if control is not None and control.retires_arrivals(len(req_ids), self.retire_after):
-            for rid in new:
+        idle = control is not None and control.retires_arrivals(len(req_ids),
+                                                                self.idle_batch_plans)
+        new = [rid for rid in live if rid not in self.admitted]
+        if idle:
+            for rid in live:
                 self._retire(rid)
             self.retired_on_arrival += len(new)
+            self.retired_idle_batch += len(live) - len(new)
+            return
+        if not new:
             return
         self.admitted.update(new)
         if len(self.admitted) > 4 * max(len(req_ids), 64):
@@ -874,4 +902,6 @@ class DraftKVHoles:
                 "catch_up_tokens": self.catch_up_tokens,
                 "retired_requests": self.retirements,
                 "retired_on_arrival": self.retired_on_arrival,
-                "retire_after": self.retire_after}
+                "retired_idle_batch": self.retired_idle_batch,
+                "retire_after": self.retire_after,
+                "retire_idle_batch_after": self.idle_batch_plans}
