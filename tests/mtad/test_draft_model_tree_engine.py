@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 from mtad_reference import greedy_generate
-from test_mtad_tree_engine import TreeEngine, pair, prompts_of  # noqa: F401 (fixture)
+from test_mtad_tree_engine import (  # noqa: F401 (fixture)
+    TreeEngine,
+    check_rows,
+    pair,
+    prompts_of,
+    run_with_tree_cost_control,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -52,44 +58,26 @@ def test_greedy_equals_no_speculation_and_sampled_rows_run(pair, engine):  # noq
     stats = engine.state.stats
     before = (stats.tree_requests, stats.compacted, stats.accepted)
     outs = engine.generate(prompts, params)
-    for out, prompt, sp in zip(outs, prompts, params):
-        tokens = list(out.outputs[0].token_ids)
-        if sp.temperature == 0.0:
-            assert tokens == greedy_generate(target, prompt, sp.max_tokens), out.request_id
-        else:
-            assert len(tokens) == sp.max_tokens
+    check_rows(target, prompts, params, outs)
     assert stats.tree_requests > before[0]
     assert stats.compacted > before[1]
     assert stats.accepted - before[2] > stats.tree_requests - before[0]
 
 
 def test_cost_control_prunes_trees_and_equals_no_speculation(pair, engine):  # noqa: F811
-    """``cost_control`` on the draft-model tree (a fixed cost model: a node pays only when
-    its path's value beats ~0.1 of the step's rate): trees are cut per request, some to
-    zero nodes, and greedy output stays equal to no speculation."""
+    """``cost_control`` on the draft-model tree (``run_with_tree_cost_control``'s fixed
+    cost model: a node pays only when its path's value beats ~0.1 of the step's rate):
+    trees are cut per request, some to zero nodes, and greedy output stays equal to no
+    speculation."""
     from vllm import SamplingParams
 
-    from vllm_specx.algorithms.draft_length import StepCosts
-    from vllm_specx.glue.tree_cost import tree_cost_control_for
-
     _, target = pair
-    drafter = engine.runner.drafter
-    assert drafter.settings["cost_control"] is False  # this engine's, turned off
-    drafter.settings = {**drafter.settings, "cost_control": True}
-    try:
-        control = tree_cost_control_for(drafter)
-        assert control is not None
-        control.fixed_costs = StepCosts(target_base=0.0, target_per_request=1.0,
-                                        target_per_token=0.1, draft_pass=0.0, draft_row=0.0)
-        prompts = prompts_of([6, 17, 25, 9], seed=11)
-        params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]
-        outs = engine.generate(prompts, params)
-    finally:
-        drafter.settings = {**drafter.settings, "cost_control": False}
+    prompts = prompts_of([6, 17, 25, 9], seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]
+    outs, control, stats = run_with_tree_cost_control(engine, prompts, params)
     for out, prompt, sp in zip(outs, prompts, params):
         assert list(out.outputs[0].token_ids) == greedy_generate(
             target, prompt, sp.max_tokens), out.request_id
-    stats = drafter.specx_stats()
     sizes = {int(k): v for k, v in control.describe()["kept_histogram"].items()}
     assert control.stats.rounds > 0 and 0 < control.stats.kept_nodes < control.stats.drafted_nodes
     assert len(sizes) >= 2, sizes  # sizes varied between requests and steps

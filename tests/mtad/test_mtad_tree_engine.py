@@ -213,21 +213,27 @@ def test_penalties_fall_back_to_chain_verification(pair, engine):
     assert stats.tree_requests == before[0]
 
 
-def test_cost_control_prunes_the_beam_tree(pair, engine):
-    """``"cost_control": true`` with ``draft_tree`` on mtad (a fixed cost model: a node
-    pays only where its path's value beats ~0.1 of the step's rate): the beams run to
-    the depth chosen before the first pass and each request's beam tree is cut to the
-    nodes that pay, to several sizes, some to none; greedy rows equal plain greedy
-    decoding, and sampled rows (MTAD's deepest passing node, on the cut tree) run to
-    their length."""
-    from vllm import SamplingParams
+def check_rows(target: Any, prompts: list[list[int]], params: list[Any],
+               outs: list[Any]) -> None:
+    """Greedy rows equal plain greedy decoding; sampled rows ran to their length."""
+    for out, prompt, sp in zip(outs, prompts, params):
+        tokens = list(out.outputs[0].token_ids)
+        if sp.temperature == 0.0:
+            assert tokens == greedy_generate(target, prompt, sp.max_tokens), out.request_id
+        else:
+            assert len(tokens) == sp.max_tokens
 
+
+def run_with_tree_cost_control(engine: TreeEngine, prompts: list[list[int]],
+                               params: list[Any]) -> tuple[list[Any], Any, dict[str, Any]]:
+    """Generate with the drafter's tree cost control on (the engine's own is off) under a
+    fixed cost model in which a node pays only where its path's value beats ~0.1 of the
+    step's rate; the outputs, the control and the drafter's stats. Settings restored."""
     from vllm_specx.algorithms.draft_length import StepCosts
     from vllm_specx.glue.tree_cost import tree_cost_control_for
 
-    _, target = pair
     drafter = engine.runner.drafter
-    assert drafter.settings["cost_control"] is False  # mtad's default
+    assert drafter.settings["cost_control"] is False  # the engine's, turned off
     drafter.settings = {**drafter.settings, "cost_control": True}
     drafter._tree_cost = None
     try:
@@ -235,21 +241,29 @@ def test_cost_control_prunes_the_beam_tree(pair, engine):
         assert control is not None
         control.fixed_costs = StepCosts(target_base=0.0, target_per_request=1.0,
                                         target_per_token=0.1, draft_pass=0.0, draft_row=0.0)
-        prompts = prompts_of([6, 17, 25, 9], seed=11)
-        params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts[:3]]
-        params.append(SamplingParams(temperature=0.9, max_tokens=10, seed=2, ignore_eos=True))
-        before = engine.state.stats.tree_requests
         outs = engine.generate(prompts, params)
         stats = drafter.specx_stats()
     finally:
         drafter.settings = {**drafter.settings, "cost_control": False}
         drafter._tree_cost = None
-    for out, prompt, sp in zip(outs, prompts, params):
-        tokens = list(out.outputs[0].token_ids)
-        if sp.temperature == 0.0:
-            assert tokens == greedy_generate(target, prompt, sp.max_tokens), out.request_id
-        else:
-            assert len(tokens) == sp.max_tokens
+    return outs, control, stats
+
+
+def test_cost_control_prunes_the_beam_tree(pair, engine):
+    """``"cost_control": true`` with ``draft_tree`` on mtad (:func:`run_with_tree_cost_control`):
+    the beams run to the depth chosen before the first pass and each request's beam tree
+    is cut to the nodes that pay, to several sizes, some to none; greedy rows equal plain
+    greedy decoding, and sampled rows (MTAD's deepest passing node, on the cut tree) run
+    to their length."""
+    from vllm import SamplingParams
+
+    _, target = pair
+    prompts = prompts_of([6, 17, 25, 9], seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts[:3]]
+    params.append(SamplingParams(temperature=0.9, max_tokens=10, seed=2, ignore_eos=True))
+    before = engine.state.stats.tree_requests
+    outs, control, stats = run_with_tree_cost_control(engine, prompts, params)
+    check_rows(target, prompts, params, outs)
     assert engine.state.stats.tree_requests > before  # the cut trees were verified as trees
     sizes = {int(k) for k, v in control.describe()["kept_histogram"].items() if v}
     assert control.stats.rounds > 0, control.describe()
