@@ -673,11 +673,12 @@ class CostControl:
 
     def retires_arrivals(self, num_reqs: int, idle_plans: int) -> bool:
         """Whether a request that joins the batch now (``num_reqs`` with it) should retire
-        on arrival (``DraftKVHoles.admit``): the last ``idle_plans`` plans in a row drafted
-        nothing for anyone (no probe either), and not even a certainly accepted token would
-        pay at this batch size (:meth:`sure_token_pays`), so nothing would make it draft
-        until the batch shrinks. While the plan drafts for some requests, new ones are
-        admitted: they arrive at the pooled acceptance the plan is drafting at."""
+        on arrival, and the batch's requests with it (``DraftKVHoles.admit``): the last
+        ``idle_plans`` plans in a row drafted nothing for anyone (no probe either), and not
+        even a certainly accepted token would pay at this batch size
+        (:meth:`sure_token_pays`), so nothing would make it draft until the batch shrinks.
+        While the plan drafts for some requests, new ones are admitted: they arrive at the
+        pooled acceptance the plan is drafting at."""
         return self._idle_plans >= idle_plans and not self.sure_token_pays(num_reqs)
 
     def sure_token_pays(self, num_reqs: int) -> bool:

@@ -98,7 +98,12 @@ from vllm_specx.glue.cost_model import (
 )
 from vllm_specx.glue.draft_passes import RoundStart, SpecxDraftModelProposer
 from vllm_specx.glue.proposer_contract import refuse_unsupported_options
-from vllm_specx.glue.sampled_tree_round import sampled_children_on, sampled_tree_depths
+from vllm_specx.glue.sampled_tree_round import (
+    sampled_children_on,
+    sampled_tree_depths,
+    sampled_tree_round,
+    wants_sampled_tree,
+)
 from vllm_specx.glue.tree_cost import (
     TreeCostControl,
     TreeRoundPlan,
@@ -547,8 +552,8 @@ class MTADRound:
                 control.forget_interval()
             elif plan is None:
                 control.begin(start.req_ids, start.num_rejected, start.target_tokens)
-        sampled = self.may_draft_sampled_children() and self._wants_sampled_tree(
-            sampling, start.num_reqs)
+        sampled = self.may_draft_sampled_children() and wants_sampled_tree(
+            self, sampling, start.num_reqs)
         # The round's depth: chosen before the first pass, or here. A tree of i.i.d.
         # children (sampled) is drafted to it and verified whole (keeping a node's
         # children or not by what they drew would bias the sampled rule); a tree of
@@ -562,7 +567,7 @@ class MTADRound:
                 self._plain_round(control, req_ids)
                 return [[] for _ in range(start.num_reqs)]
         if sampled:
-            return self._sampled_tree_round(start, sampling, depth, control)
+            return sampled_tree_round(self, start, sampling, depth=depth, control=control)
         self._round_tree_cost = control if start.k > 0 else None
         # The beams run to the chosen depth (the beam round reads its plan as per-request
         # depths: every request this one) and the tree is pruned after; without a
@@ -618,19 +623,19 @@ class MTADRound:
         empty = [torch.empty(0, dtype=torch.int64) for _ in req_ids]
         self.tree_state.record_round(list(req_ids), empty, empty)
 
-    # i.i.d. children (DraftTreeRound): an mtad tree is its beams, never sampled children.
     def may_draft_sampled_children(self) -> bool:
+        """Whether a batch with a sampled request may draft i.i.d. children instead of the
+        beams (:class:`DraftTreeRound`); an mtad tree is its beams, never such children."""
         return False
 
     def _round_is_sampled(self, req_ids: Sequence[str]) -> bool | None:
-        return False
-
-    def _wants_sampled_tree(self, sampling: Any, num_reqs: int) -> bool:
-        return False
-
-    def _sampled_tree_round(self, start: RoundStart, sampling: Any, depth: int | None,
-                            control: TreeCostControl | None) -> list[list[int]] | torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} drafts no i.i.d. children")
+        """Before the first pass: whether this round will draft i.i.d. children
+        (``sampled_children_on``, a sampler that reads their q rows, a sampled request in
+        the batch); None where the runner does not say which requests are greedy."""
+        if not (self.may_draft_sampled_children() and sampled_children_on(self)):
+            return False
+        greedy = self._greedy_requests(tuple(req_ids))
+        return None if greedy is None else not bool(greedy.all())
 
 
 class MTADProposer(MTADRound, SpecxDraftModelProposer):
@@ -673,30 +678,10 @@ class DraftTreeRound(MTADRound):
     skips_idle_first_pass = True
     plans_before_first_pass = True
 
-    def _round_is_sampled(self, req_ids: Sequence[str]) -> bool | None:
-        """Before the first pass: whether this round will draft i.i.d. children
-        (``sampled_children_on``, a sampler that reads their q rows, a sampled request in
-        the batch); None where the runner does not say which requests are greedy."""
-        if not (sampled_children_on(self) and self.may_draft_sampled_children()):
-            return False
-        greedy = self._greedy_requests(tuple(req_ids))
-        return None if greedy is None else not bool(greedy.all())
-
     def may_draft_sampled_children(self) -> bool:
         """Whether the runner's sampler reads the q rows of i.i.d. children (V1's specx
         sampler always does; on V2 only the specx sampler, which a tree config installs)."""
         return True
-
-    def _wants_sampled_tree(self, sampling: Any, num_reqs: int) -> bool:
-        from vllm_specx.glue.sampled_tree_round import wants_sampled_tree
-
-        return wants_sampled_tree(self, sampling, num_reqs)
-
-    def _sampled_tree_round(self, start: RoundStart, sampling: Any, depth: int | None,
-                            control: TreeCostControl | None) -> list[list[int]] | torch.Tensor:
-        from vllm_specx.glue.sampled_tree_round import sampled_tree_round
-
-        return sampled_tree_round(self, start, sampling, depth=depth, control=control)
 
     def draft_round(  # type: ignore[override]
         self, start: RoundStart, sampling: Any

@@ -356,7 +356,8 @@ class TreeCostControl:
 
     def retires_arrivals(self, num_reqs: int, idle_plans: int) -> bool:
         """Whether a request that joins the batch now (``num_reqs`` with it) should retire
-        on arrival (``DraftKVHoles.admit``), as the chain control's
+        on arrival, and the batch's requests with it (``DraftKVHoles.admit``), as the chain
+        control's
         (``CostControl.retires_arrivals``): the last ``idle_plans`` rounds in a row
         verified no node, and not even one node, certainly accepted, of one request's
         tree would pay at this batch size (:meth:`sure_node_pays`)."""
