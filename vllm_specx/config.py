@@ -147,7 +147,7 @@ def _switched_off(key: str, value: Any, owners: list[str]) -> bool:
     """``value`` is the off value of an on/off knob (e.g. ``"cost_control": false``,
     ``"draft_tree": false``) for every method that owns ``key``."""
     return value is False and all(
-        METHODS[m].knob(key).kind in ("bool", "tree") for m in owners)
+        METHODS[m].knob(key).kind in ("bool", "tree", "switch") for m in owners)
 
 
 def _or(names: list[str]) -> str:
@@ -210,7 +210,7 @@ def translate(
                 raise _bad(knob.name, value, knob.allowed, name)
             # A switch turned off is no error where it would not apply anyway (e.g.
             # "cost_control": false without "adaptive": true); turned on, it is refused.
-            turned_off = knob.kind == "bool" and value is False
+            turned_off = knob.kind in ("bool", "switch") and value is False
             if knob.requires is not None and not turned_off:
                 other, needed = knob.requires
                 alternative = knob.or_with is not None and config.get(

@@ -29,7 +29,7 @@ class Knob:
     """One user-facing setting of a specx method."""
 
     name: str
-    kind: str  # "int", "float", "bool", "str"
+    kind: str  # "int", "float", "bool", "str", "tree", "switch" (true, false or a word)
     default: Any
     allowed: str  # human text, used verbatim in error messages
     help: str
@@ -58,6 +58,8 @@ class Knob:
             return isinstance(value, bool)
         if self.kind == "str":
             return isinstance(value, str) and value != ""
+        if self.kind == "switch":  # on, off, or a named mode (``check`` says which words)
+            return isinstance(value, (bool, str))
         if self.kind == "tree":  # a draft tree: false, true or a dict of tree settings
             return isinstance(value, (bool, Mapping))
         raise AssertionError(f"unknown knob kind {self.kind}")
@@ -288,19 +290,24 @@ COST_CONTROL = Knob(
     "verified whole; false verifies every drafted tree whole",
 )
 # mtad's depth control (issue 32): every request's own depth 0..K per step
-# (``CostControl.plan_depths``); off by default until the bench says it does not hurt
-# (docs/cost-control.md, "mtad: per-request depth").
+# (``CostControl.plan_depths``). By default it weighs the greedy requests only: their
+# verification is greedy, so the control changes how fast they run and never what they
+# output, while a sampled request's output depends on how much mtad drafts (its rule is not
+# lossless by design), so it drafts as configured unless the user turns the control on for
+# everyone (docs/cost-control.md, "mtad: per-request depth").
 MTAD_COST_CONTROL = Knob(
-    "cost_control", "bool", False, "true or false",
+    "cost_control", "switch", "greedy", 'true, false or "greedy"',
     "choose every step's beam depth per request (0..num_speculative_tokens; a request "
     "leaves the draft passes at its own depth) from the engine's own measured step costs "
     "and each request's acceptance so far; all 0 is a plain decode step that skips the "
-    "draft model. Off by default: mtad's sampled output "
-    "depends on how much it drafts, and the control weighs only speed (docs/cost-control.md); "
-    "for greedy traffic whose drafts may not pay. With draft_tree: the tree's depth per "
-    "step (0..num_speculative_tokens, one for the batch) and then per request only the "
-    "beam tree's nodes that pay, down to none (as adaptive's draft-model tree). Either "
-    "model runner",
+    "draft model. \"greedy\" (the default): only on steps whose requests are all greedy "
+    "(temperature 0: output unchanged, only speed); a step with a sampled request drafts "
+    "num_speculative_tokens for every request, since mtad's sampled output depends on how "
+    "much it drafts. true: every step, sampled requests too; false: never. With "
+    "draft_tree: the tree's depth per step (0..num_speculative_tokens, one for the batch) "
+    "and then per request only the beam tree's nodes that pay, down to none (as adaptive's "
+    "draft-model tree). Either model runner",
+    lambda v: v in (True, False, "greedy"),
 )
 HETEROGENEOUS_VOCAB = Knob(
     "use_heterogeneous_vocab", "bool", False, "true or false",

@@ -38,8 +38,10 @@ def test_twins_only_where_cost_control_applies():
         ("adaptive fixed", {"method": "adaptive", "cost_control": False}),
         ("eagle3 adaptive", {"method": "specx_eagle3", "adaptive": True}),
         ("eagle3 K", {"method": "specx_eagle3"}),
-        ("mtad", {"method": "mtad"}),  # its depth control is off unless given
+        ("mtad", {"method": "mtad"}),  # its depth control is on ("greedy") by default
         ("mtad cc", {"method": "mtad", "cost_control": True}),
+        ("mtad tree", {"method": "mtad", "draft_tree": True}),
+        ("mtad fixed", {"method": "mtad", "cost_control": False}),
         ("draft_model", {"method": "draft_model"}),
         # Dynamic trees: pruned unless cost_control is false; a static paths tree never.
         ("eagle3 tree", {"method": "specx_eagle3", "draft_tree": True}),
@@ -53,10 +55,11 @@ def test_twins_only_where_cost_control_applies():
     twins = [(n, c) for n, c in out if n.endswith(OFF_SUFFIX)]
     assert [n for n, _ in twins] == [
         "adaptive" + OFF_SUFFIX, "adaptive tree" + OFF_SUFFIX, "eagle3 adaptive" + OFF_SUFFIX,
-        "mtad cc" + OFF_SUFFIX, "eagle3 tree" + OFF_SUFFIX, "eagle3 tree cc" + OFF_SUFFIX]
+        "mtad" + OFF_SUFFIX, "mtad cc" + OFF_SUFFIX, "mtad tree" + OFF_SUFFIX,
+        "eagle3 tree" + OFF_SUFFIX, "eagle3 tree cc" + OFF_SUFFIX]
     assert all(c["cost_control"] is False for _, c in twins)
     assert not any(cost_control_applies(c) for _, c in twins)
-    assert len(out) == len(named) + 6
+    assert len(out) == len(named) + 8
 
 
 def test_prompts_fill_the_batch():

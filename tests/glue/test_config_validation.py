@@ -219,7 +219,7 @@ def test_mtad_translates_to_draft_model_with_defaults():
     assert result.specx_settings == {
         "method": "mtad", "num_speculative_tokens": 4, "num_beams": 4,
         "acceptance_threshold": 0.1, "greedy_drafting": "chain", "draft_tree": False,
-        "cost_control": False,
+        "cost_control": "greedy",
     }
 
 
@@ -266,7 +266,7 @@ def test_adaptive_translation():
     ({"method": "adaptive", "model": "d", "cost_control": 0}, "true or false"),
     ({"method": "specx_mtp", "cost_control": True}, '"adaptive": true'),
     ({"method": "specx_eagle3", "model": "d", "cost_control": True}, '"adaptive": true'),
-    ({"method": "mtad", "model": "d", "cost_control": 1}, "true or false"),
+    ({"method": "mtad", "model": "d", "cost_control": 1}, 'true, false or "greedy"'),
 ])
 def test_cost_control_knob_refused_in_one_line(config, allowed):
     with pytest.raises(SpecxConfigError) as err:
@@ -297,12 +297,16 @@ def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
     assert "cost_control" not in result.vllm_speculative_config
 
 
-def test_mtad_cost_control_is_a_knob_off_by_default():
-    # issue 32: mtad's per-step depth control, offered once benchmarked
+def test_mtad_cost_control_defaults_to_greedy_and_takes_three_values():
+    # issue 32: mtad's per-step depth control, by default on its all-greedy steps only
     # (docs/cost-control.md); on, it runs on either model runner (plans on V1 and V2).
-    from vllm_specx.methods import METHODS
+    from vllm_specx.methods import METHODS, drafts_ragged
 
-    assert run({"method": "mtad", "model": "d"}).specx_settings["cost_control"] is False
+    default = run({"method": "mtad", "model": "d"})
+    assert default.specx_settings["cost_control"] == "greedy"
+    assert drafts_ragged(default.specx_settings) and drafts_ragged(default.specx_settings,
+                                                                   on_v2=True)
+    assert METHODS["mtad"].v1_only_reason(default.specx_settings) is None
     on = run({"method": "mtad", "model": "d", "cost_control": True})
     assert on.specx_settings["cost_control"] is True
     assert "cost_control" not in on.vllm_speculative_config
@@ -310,11 +314,18 @@ def test_mtad_cost_control_is_a_knob_off_by_default():
     off = run({"method": "mtad", "model": "d", "cost_control": False, "draft_tree": True})
     assert off.specx_settings["cost_control"] is False
     assert METHODS["mtad"].v1_only_reason(off.specx_settings) is None
+    assert not drafts_ragged(run({"method": "mtad", "model": "d",
+                                  "cost_control": False}).specx_settings)
     # With its beam tree too (the tree control prunes it, glue/tree_cost.py), either runner.
-    tree = run({"method": "mtad", "model": "d", "cost_control": True, "draft_tree": True})
-    assert tree.specx_settings["cost_control"] is True
-    assert tree.specx_settings["draft_tree"] is True
-    assert METHODS["mtad"].v1_only_reason(tree.specx_settings) is None
+    for value in (True, "greedy"):
+        tree = run({"method": "mtad", "model": "d", "cost_control": value, "draft_tree": True})
+        assert tree.specx_settings["cost_control"] == value
+        assert tree.specx_settings["draft_tree"] is True
+        assert METHODS["mtad"].v1_only_reason(tree.specx_settings) is None
+    # Anything else: one line naming the key, the value and what is allowed.
+    for bad in ("sampled", 1, None):
+        with pytest.raises(SpecxConfigError, match=r'cost_control.*true, false or "greedy"'):
+            run({"method": "mtad", "model": "d", "cost_control": bad})
 
 
 def test_another_method_s_switch_turned_on_is_still_refused():

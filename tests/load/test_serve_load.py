@@ -57,18 +57,19 @@ DP2 = ("--data-parallel-size", "2", "--api-server-count", "1")
 # cost_control off: drafts and acceptances are asserted, which must not follow timings.
 ADAPTIVE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 6,
             "confidence_threshold": 0.5, "cost_control": False}
-MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2}
+MTAD = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2,
+        "cost_control": False}
 # As the README starts it.
 ADAPTIVE_DEFAULT = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 8}
 
 
 def drafts_follow_timings(spec: dict[str, Any]) -> bool:
     """Whether the cost control decides how much ``spec`` drafts (from measured timings:
-    possibly nothing on a slow host): on by default for ``adaptive``, and for the head
-    methods with ``"adaptive": true``."""
+    possibly nothing on a slow host): on by default for ``adaptive`` and ``mtad`` (its
+    greedy requests), and for the head methods with ``"adaptive": true``."""
     if spec.get("cost_control") is False:
         return False
-    return spec["method"] == "adaptive" or bool(spec.get("adaptive"))
+    return spec["method"] in ("adaptive", "mtad") or bool(spec.get("adaptive"))
 
 # One entry per speculative method under load: (target, speculative config[, extra
 # `vllm serve` arguments]).

@@ -150,6 +150,9 @@ def start_engine(
         # Greedy rows draft the B-wide beam search here (not the default argmax chain): the
         # tests pin every row's beams against the transformers reference beam search.
         "greedy_drafting": "beam",
+        # Every round drafts K, as the reference search does (the default, "greedy", plans
+        # the greedy rows' depths): the tests that plan depths turn it on themselves.
+        "cost_control": False,
         **(spec_extra or {}),
     }
     llm = make_llm(target, speculative_config=spec, **kwargs)

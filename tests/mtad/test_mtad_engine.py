@@ -421,6 +421,58 @@ def test_cost_control_planning_zero_or_k_leaves_mtad_as_it_is(pair, engine, rate
         assert records == plain_records and len(records) >= 10
 
 
+def test_default_greedy_control_weighs_only_all_greedy_batches(pair, engine):
+    """The default ``"cost_control": "greedy"``: a batch of greedy requests is planned (here
+    no draft ever pays: every step a plain decode step, and after 16 idle plans the batch
+    retires); a batch with a sampled request drafts K for every request on every step,
+    weighs nothing and retires nobody (a retired request would draft nothing), although
+    the control's idle plans and costs would retire arrivals. Greedy output equals no
+    speculation in both."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    from vllm_specx.algorithms.draft_length import StepCosts
+
+    _, _, target, _ = pair
+    drafter = engine.drafter
+    drafter.num_beams = 2
+    holes = drafter.kv_holes()
+    drafter.settings = {**drafter.settings, "cost_control": "greedy"}
+    drafter._cost_control = None
+    try:
+        control = drafter.cost_control(K)
+        # Not even a sure token pays (a verified token costs two plain steps), no request's
+        # drafts are accepted, no probes.
+        control.fixed_costs = StepCosts(target_base=1.0, target_per_request=0.02,
+                                        target_per_token=2.0, draft_pass=0.02,
+                                        draft_row=0.01)
+        control.history.rates = lambda ids: np.full((len(ids), K), 0.02)
+        control.history.probe_interval = 10**9
+        prompts = prompts_of([6, 9, 7], seed=47)
+        greedy = [SamplingParams(temperature=0.0, max_tokens=24) for _ in prompts]
+        retired_with_batch = holes.retired_idle_batch
+        seqs = engine.generate(prompts, greedy)
+        for rid, prompt in zip(sorted(seqs, key=int), prompts):
+            assert seqs[rid] == prompt + greedy_generate(target, prompt, 24), rid
+        assert engine.records == [] and control.stats.all_zero_steps >= 16
+        assert holes.retired_idle_batch - retired_with_batch == len(prompts)
+        # The sampled request first, and every prompt in the first step: the batch is
+        # mixed from its first step on.
+        mixed = [SamplingParams(temperature=1.0, max_tokens=16, seed=3, ignore_eos=True),
+                 *[SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]]
+        planned, retirements = control.stats.steps, holes.retirements
+        seqs = engine.generate([prompts_of([8], seed=48)[0], *prompts], mixed)
+        ids = sorted(seqs, key=int)
+        for rid, prompt in zip(ids[1:], prompts):
+            assert seqs[rid] == prompt + greedy_generate(target, prompt, 12), rid
+        assert len(seqs[ids[0]]) == 8 + 16
+        assert {len(r.tokens) for r in engine.records} == {K}
+        assert {r.req_id for r in engine.records} == set(ids)
+        assert control.stats.steps == planned and holes.retirements == retirements
+    finally:
+        _control_off(drafter)
+
+
 def test_lookahead_past_max_model_len_does_not_crash(pair, engine):
     """Prompts ending next to max_model_len (128): the tails' last positions fall outside
     the model and are clamped / not written; outputs stay the target's greedy ones."""

@@ -45,7 +45,7 @@ class TreeEngine:
             speculative_config=spec or {
                 "method": "mtad", "model": target_dir, "num_speculative_tokens": K,
                 "num_beams": B, "acceptance_threshold": 0.1, "greedy_drafting": "beam",
-                "draft_tree": True,
+                "draft_tree": True, "cost_control": False,  # whole trees, as the reference
             },
             skip_tokenizer_init=True,
             max_model_len=128,

@@ -31,8 +31,9 @@ from v2_cases import DRAFT, GREEDY, PROMPTS
 pytestmark = pytest.mark.engine
 
 # greedy_drafting "beam": greedy requests draft the beams (a tree), not the argmax chain.
+# cost_control false: whole trees (pruned_tree_run turns the control on with fixed costs).
 MTAD_TREE = {"method": "mtad", "model": DRAFT, "num_speculative_tokens": 3, "num_beams": 2,
-             "draft_tree": True, "greedy_drafting": "beam"}
+             "draft_tree": True, "greedy_drafting": "beam", "cost_control": False}
 # cost_control false: V1 and V2 must verify the same trees (pruning follows each
 # engine's own timings).
 ADAPTIVE_TREE = {"method": "adaptive", "model": DRAFT, "num_speculative_tokens": 4,

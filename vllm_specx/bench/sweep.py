@@ -18,12 +18,11 @@ from typing import Any
 
 from vllm_specx.bench.prompts import PromptSet
 
-# Methods whose cost control (glue/cost_model.py) is on by default; specx_mtp / specx_eagle*
-# only with "adaptive": true (without it they draft K every step).
-_CONTROLLED = ("adaptive",)
+# Methods whose cost control (glue/cost_model.py) is on by default (mtad's, "greedy", on
+# its all-greedy steps); specx_mtp / specx_eagle* only with "adaptive": true (without it
+# they draft K every step).
+_CONTROLLED = ("adaptive", "mtad")
 _CONTROLLED_WHEN_ADAPTIVE = ("specx_mtp", "specx_eagle3", "specx_eagle")
-# Methods whose (depth) control runs only when "cost_control": true is given (mtad).
-_CONTROLLED_WHEN_GIVEN = ("mtad",)
 OFF_SUFFIX = " (cost_control off)"
 CSV_SUFFIX = "_batch_sweep.csv"
 PNG_SUFFIX = "_batch_sweep.png"
@@ -50,8 +49,6 @@ def cost_control_applies(cfg: dict[str, Any]) -> bool:
     if cfg.get("cost_control") is False:
         return False
     method = cfg.get("method")
-    if method in _CONTROLLED_WHEN_GIVEN:
-        return cfg.get("cost_control") is True and not cfg.get("draft_tree")
     if cfg.get("draft_tree") and method in (*_CONTROLLED, *_CONTROLLED_WHEN_ADAPTIVE):
         # A dynamic tree is pruned by cost (on by default); a static paths tree never is.
         tree = cfg["draft_tree"]

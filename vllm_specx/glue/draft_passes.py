@@ -721,6 +721,12 @@ class DraftKVHoles:
         live = [rid for rid in req_ids if rid not in self.retired]
         if not live:
             return
+        controls_batch = getattr(proposer, "controls_batch", None)
+        if controls_batch is not None and not controls_batch(req_ids):
+            # A batch the cost control does not weigh (mtad's "greedy" with a sampled
+            # request): its requests draft as configured, so none may retire (a retired
+            # request drafts nothing).
+            return
         # A tree drafter's tree control judges by its trees (TreeCostControl), a chain
         # drafter's chain control by its lengths (CostControl).
         control = (getattr(proposer, "_tree_cost", None)

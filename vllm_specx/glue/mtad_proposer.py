@@ -288,6 +288,14 @@ class MTADRound:
         if control is None:
             return None
         control.begin(req_ids, num_rejected, target_tokens)
+        if not self.controls_batch(req_ids):
+            # "greedy" and a sampled request in the batch: every request drafts K, as with
+            # the control off (a retired one nothing: its draft KV has holes). The step is
+            # still timed and its acceptance learnt.
+            gone = retired_requests(self)
+            caps = torch.tensor([0 if rid in gone else k for rid in req_ids],
+                                dtype=torch.int64)
+            return RoundPlan(AlwaysContinue(max(k, 1)), caps, 0.0)
         caps = torch.as_tensor(control.plan_depths(req_ids, k, self._plan_widths(req_ids)),
                                dtype=torch.int64)
         nobody = not bool(caps.any())
@@ -296,6 +304,19 @@ class MTADRound:
         if nobody:
             control.end(req_ids, [0] * len(req_ids), 0, 0)
         return plan
+
+    def controls_batch(self, req_ids: Sequence[str]) -> bool:
+        """Whether the cost control weighs this batch's drafts: always with
+        ``"cost_control": true``; under ``"greedy"`` (the default) only when every request
+        is greedy (known to be: a runner that does not say counts as sampled), because
+        greedy requests are verified greedily, so their depth changes their speed and never
+        their output, while a sampled request's output depends on how deep mtad drafts.
+        A batch the control does not weigh drafts as configured and retires nobody
+        (``DraftKVHoles.admit``)."""
+        if self.settings.get("cost_control") != "greedy":
+            return True
+        greedy = self._greedy_requests(tuple(req_ids))
+        return greedy is not None and greedy.size > 0 and bool(greedy.all())
 
     def _plan_widths(self, req_ids: tuple[str, ...]) -> np.ndarray:
         """The beam rows each request carries per lookahead pass: ``B``, or 1 for a greedy
@@ -541,7 +562,7 @@ class MTADRound:
         where the first pass ran unplanned) and its pruning to the nodes that pay."""
         if self.tree_state is None:
             return self._beam_round(start, sampling)
-        control = tree_cost_control_for(self)
+        control = self._tree_control(start.req_ids or ())
         plan = start.plan if isinstance(start.plan, TreeRoundPlan) else None
         if plan is not None and plan.skip_first_pass:
             # Depth 0 and the first pass ran (a drafter told not to skip it): the plan
@@ -592,7 +613,7 @@ class MTADRound:
         ``skip_first_pass``) is a plain step whose first pass is skipped; its price
         includes what that leaves to a later catch-up. None (``cost_control`` off, or
         the batch's greedy-ness unknown): the round plans after the first pass."""
-        control = tree_cost_control_for(self)
+        control = self._tree_control(req_ids)
         if control is None or k <= 0:
             return None
         sampled = self._round_is_sampled(req_ids)
@@ -604,6 +625,16 @@ class MTADRound:
             return TreeRoundPlan(depth, skip_first_pass=False)
         self._plain_round(control, req_ids)
         return TreeRoundPlan(0, skip_first_pass=True)
+
+    def _tree_control(self, req_ids: Sequence[str]) -> TreeCostControl | None:
+        """The tree control for this batch's round, or None: off, or a batch it does not
+        weigh (:meth:`controls_batch`), whose whole beam tree is drafted and verified; the
+        control's next interval then does not span this step."""
+        control = tree_cost_control_for(self)
+        if control is not None and not self.controls_batch(req_ids):
+            control.forget_interval()
+            return None
+        return control
 
     def _round_depth(self, control: TreeCostControl, req_ids: Sequence[str], k: int,
                      sampled: bool, before_first_pass: bool) -> int:

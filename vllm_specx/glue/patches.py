@@ -7,6 +7,7 @@ Every vLLM touch-point of the package, these and the CPU backend's, is listed in
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any, get_args
@@ -237,11 +238,17 @@ def async_refusal(method: str, settings: dict[str, Any]) -> str:
                 "on Model Runner V1: there the specx chain drafter drafts, synchronously; "
                 "on Model Runner V2 a fixed K drafts with vLLM's own speculator and keeps "
                 "async scheduling. Leave async_scheduling unset or false on V1.")
-    with_knob = (" with draft_tree" if tree_on(settings) else
-                 " with cost_control" if not spec.ragged_drafts else "")
+    by_control = not tree_on(settings) and not spec.ragged_drafts
+    with_knob, fix = (" with draft_tree" if tree_on(settings) else ""), ""
+    if by_control:  # mtad's depth control: name its value, default or given
+        value = settings.get("cost_control")
+        default = " (its default)" if value == spec.knob("cost_control").default else ""
+        with_knob = f" with cost_control {json.dumps(value)}{default}"
+        fix = ' or set "cost_control": false (K drafts every step)'
     return (f"async_scheduling = true is not allowed with speculative method "
             f"'{method}'{with_knob}: it drafts a different number of tokens per request or "
-            "step, which the scheduler must see; leave async_scheduling unset or false.")
+            f"step, which the scheduler must see; leave async_scheduling unset or false{fix}.")
+
 
 
 def runner_announcement(method: str, v1_reason: str | None) -> str:
