@@ -225,16 +225,18 @@ def check_rows(target: Any, prompts: list[list[int]], params: list[Any],
 
 
 def run_with_tree_cost_control(engine: TreeEngine, prompts: list[list[int]],
-                               params: list[Any]) -> tuple[list[Any], Any, dict[str, Any]]:
-    """Generate with the drafter's tree cost control on (the engine's own is off) under a
-    fixed cost model in which a node pays only where its path's value beats ~0.1 of the
-    step's rate; the outputs, the control and the drafter's stats. Settings restored."""
+                               params: list[Any], value: bool | str = True,
+                               ) -> tuple[list[Any], Any, dict[str, Any]]:
+    """Generate with the drafter's tree cost control on (``value``: true, or mtad's
+    "greedy"; the engine's own is off) under a fixed cost model in which a node pays only
+    where its path's value beats ~0.1 of the step's rate; the outputs, the control and the
+    drafter's stats. Settings restored."""
     from vllm_specx.algorithms.draft_length import StepCosts
     from vllm_specx.glue.tree_cost import tree_cost_control_for
 
     drafter = engine.runner.drafter
     assert drafter.settings["cost_control"] is False  # the engine's, turned off
-    drafter.settings = {**drafter.settings, "cost_control": True}
+    drafter.settings = {**drafter.settings, "cost_control": value}
     drafter._tree_cost = None
     try:
         control = tree_cost_control_for(drafter)
@@ -271,6 +273,29 @@ def test_cost_control_prunes_the_beam_tree(pair, engine):
     assert len(sizes) >= 2 and max(sizes) >= 2, sizes
     # The drafter reports its tree control (vllm-specx bench prints it).
     assert stats["tree_cost_control"]["kept_nodes"] == control.stats.kept_nodes
+
+
+def test_default_greedy_control_cuts_only_all_greedy_beam_trees(pair, engine):
+    """mtad's default ``"cost_control": "greedy"`` with ``draft_tree``: a batch with a
+    sampled request (from its first step to its last) drafts and verifies its whole beam
+    trees, the control weighing none; a batch of greedy requests has its trees cut as with
+    ``true``. Greedy rows equal plain greedy decoding in both."""
+    from vllm import SamplingParams
+
+    _, target = pair
+    prompts = prompts_of([6, 17, 25, 9], seed=17)  # one first step for all four (64 tokens)
+    mixed = [SamplingParams(temperature=0.9, max_tokens=16, seed=4, ignore_eos=True),
+             *[SamplingParams(temperature=0.0, max_tokens=8) for _ in prompts[1:]]]
+    before = engine.state.stats.tree_nodes
+    outs, control, _ = run_with_tree_cost_control(engine, prompts, mixed, value="greedy")
+    check_rows(target, prompts, mixed, outs)
+    assert engine.state.stats.tree_nodes - before > 0  # whole trees verified
+    assert control.stats.rounds == 0 and control.stats.drafted_nodes == 0, control.describe()
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]
+    outs, control, _ = run_with_tree_cost_control(engine, prompts, greedy, value="greedy")
+    check_rows(target, prompts, greedy, outs)
+    assert control.stats.rounds > 0, control.describe()
+    assert 0 < control.stats.kept_nodes < control.stats.drafted_nodes, control.describe()
 
 
 def test_depth_zero_rounds_skip_the_draft_models_first_pass(pair, engine):
