@@ -29,6 +29,17 @@ VerifyFn = Callable[[VerifyBatch], torch.Tensor]
 # selected backend, so the device decides the layout in one place.
 CopySlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
+# Exp(1) noise for a sampled request's extra token (the exponential race of
+# :mod:`vllm_specx.algorithms.verify`): ``fill_exp_noise(out, generator)`` fills ``out`` (a
+# float32 ``[V]`` row or ``[R, V]`` rows) in place, drawing from ``generator`` (None:
+# torch's default generator). Both runners' samplers draw through the selected backend.
+ExpNoiseFn = Callable[[torch.Tensor, "torch.Generator | None"], None]
+
+
+def exponential_noise(out: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """torch's ``exponential_`` (vLLM's own draw; one fast kernel on a GPU or an NPU)."""
+    out.exponential_(generator=generator)
+
 
 # vLLM's rejection sampler asserts ``max_spec_len <= MAX_SPEC_LEN``
 # (vllm/v1/sample/rejection_sampler.py, 128 in vLLM 0.32) and the specx sampler keeps
@@ -81,8 +92,8 @@ class DeviceLimits:
 
 @dataclass(frozen=True)
 class Backend:
-    """One device backend: a name, its limits, its verification kernel and its draft
-    tree KV move."""
+    """One device backend: a name, its limits, its verification kernel, its draft tree KV
+    move and how it draws the verification's Exp(1) noise."""
 
     name: str  # "cuda", "npu" or "cpu"
     kernel_impl: str  # e.g. "triton", "torch"
@@ -95,3 +106,4 @@ class Backend:
     # process's CPU time, so that other jobs on the host do not read as the cost of
     # this engine's drafts (the work is done in this process's threads either way).
     cost_clock: Callable[[], float] = time.perf_counter
+    fill_exp_noise: ExpNoiseFn = exponential_noise

@@ -9,9 +9,11 @@ backend chosen in :func:`vllm_specx.backends.select_backend`.
 What is reused from vLLM, on purpose, so a request is warped exactly as vLLM warps it
 for ordinary sampling: logits processors, penalties, bad words, temperature, top-k and
 top-p (``apply_logits_processors`` + ``apply_sampling_constraints``), the per-request
-seeded generators (``generate_uniform_probs`` and the same per-request exponential
-noise vLLM draws), and the bonus token, which vLLM samples through its full sampler;
-it is handed to the rule as a one-hot bonus distribution, so it is never re-sampled.
+seeded generators (``generate_uniform_probs``, and the per-request exponential noise
+drawn from them as vLLM draws it, through the backend: on a CPU a vectorised draw of the
+same distribution, ``Backend.fill_exp_noise``), and the bonus token, which vLLM samples
+through its full sampler; it is handed to the rule as a one-hot bonus distribution, so it
+is never re-sampled.
 """
 
 from __future__ import annotations
@@ -153,11 +155,12 @@ class SpecxRejectionSampler(RejectionSampler):
         else:
             is_greedy = (sampling_metadata.temperature == GREEDY_TEMPERATURE)[tree_rows]
         exp_noise = torch.empty(len(trees), node_probs.shape[1], dtype=torch.float32,
-                                device=device).exponential_()
+                                device=device)
+        self.backend.fill_exp_noise(exp_noise, None)
         for i, tree in enumerate(trees):
             generator = sampling_metadata.generators.get(tree.row)
             if generator is not None:
-                exp_noise[i].exponential_(generator=generator)
+                self.backend.fill_exp_noise(exp_noise[i], generator)
         q = q_rows = None
         if draft_probs is not None and draft_probs.ndim == 1:
             q = torch.cat([draft_probs[int(q_start[t.row]): int(q_start[t.row + 1])]
@@ -300,11 +303,12 @@ class SpecxRejectionSampler(RejectionSampler):
         # draws for requests without drafts, which keeps seeded runs reproducible).
         uniforms = generate_uniform_probs(num_tokens, num_draft_tokens,
                                           sampling_metadata.generators, device)
+        # Exp(1) through the backend (a vectorised draw on a CPU: Backend.fill_exp_noise).
         exp_noise = torch.empty(batch_size, vocab_size, dtype=torch.float32, device=device)
-        exp_noise.exponential_()
+        self.backend.fill_exp_noise(exp_noise, None)
         for i, generator in sampling_metadata.generators.items():
             if num_draft_tokens[i] > 0:
-                exp_noise[i].exponential_(generator=generator)
+                self.backend.fill_exp_noise(exp_noise[i], generator)
 
         full_q = token_q = None
         if draft_probs is None and self.rule == "mtad":

@@ -186,7 +186,7 @@ class SpecxV2RejectionSampler(RejectionSampler):
                             % (2**63 - 1))
             uniforms[offset: offset + num_nodes[i]] = torch.rand(
                 num_nodes[i], generator=gen, device=device)
-            exp_noise[i].exponential_(generator=gen)
+            self.backend.fill_exp_noise(exp_noise[i], gen)
             offset += num_nodes[i]
         q = q_rows = None
         q_by_state = getattr(self.speculator, "draft_q_by_state", None)
@@ -323,8 +323,8 @@ class SpecxV2RejectionSampler(RejectionSampler):
             gen.manual_seed((int(seeds[r]) * _SEED_MIX + positions[r]) % (2**63 - 1))
             n, offset = num_drafts[r], int(offsets[r])
             uniforms[offset: offset + n] = torch.rand(n, generator=gen, device=device)
-            exp_noise[r].exponential_(generator=gen)
-            bonus_noise[r].exponential_(generator=gen)
+            self.backend.fill_exp_noise(exp_noise[r], gen)
+            self.backend.fill_exp_noise(bonus_noise[r], gen)
 
         # The bonus (extra) token, drawn here from the last row's warped logits.
         bonus_sampled = (bonus_logits.softmax(dim=-1) / bonus_noise).argmax(dim=-1)
