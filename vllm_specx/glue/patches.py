@@ -250,7 +250,6 @@ def async_refusal(method: str, settings: dict[str, Any]) -> str:
             f"step, which the scheduler must see; leave async_scheduling unset or false{fix}.")
 
 
-
 def runner_announcement(method: str, v1_reason: str | None) -> str:
     """The line logged before start: the model runner the method will run on
     (:func:`runner_choice`) and, on V2, what it captures in CUDA graphs."""
