@@ -484,8 +484,8 @@ def drafts_ragged(settings: Mapping[str, Any], on_v2: bool = False) -> bool:
     drafts than K for a request (then scheduling must be synchronous: the scheduler must
     see a step's real lengths before it schedules the next). ``mtad`` drafts K unless its
     depth control is on (``true``, or its default ``"greedy"``: a depth 0..K per request
-    and step); on Model Runner V2 (``on_v2``) a head method at a fixed K drafts with vLLM's own speculator
-    (``MethodSpec.v2_fixed_k_is_vllms``), K for every request."""
+    and step); on Model Runner V2 (``on_v2``) a head method at a fixed K drafts with
+    vLLM's own speculator (``MethodSpec.v2_fixed_k_is_vllms``), K for every request."""
     spec = METHODS.get(settings.get("method", ""))
     if tree_on(settings):
         return True
