@@ -209,13 +209,17 @@ def scripted_depth_run(llm: Any, prompts: list[list[int]],
     depths: list[int] = []
 
     def scripted(num_reqs: int, max_depth: int, **kwargs: Any) -> int:
-        assert kwargs.get("whole") is True, kwargs  # the sampled rounds' table
+        if kwargs.get("whole") is not True:
+            # Not a sampled round (the sampled request finished first, how soon depends
+            # on its draws): the greedy rest plans its pruned trees as usual.
+            return planned(num_reqs, max_depth, **kwargs)
         depths.append([0, 1, 2, 3, 3][len(depths) % 5])
         return min(depths[-1], max_depth)
 
     try:
         control = tree_cost_control_for(spec)
         assert control is not None
+        planned = control.choose_depth
         control.choose_depth = scripted
         run = run_tree(llm, prompts, samplings)
     finally:
