@@ -456,16 +456,17 @@ def test_default_greedy_control_weighs_only_all_greedy_batches(pair, engine):
             assert seqs[rid] == prompt + greedy_generate(target, prompt, 24), rid
         assert engine.records == [] and control.stats.all_zero_steps >= 16
         assert holes.retired_idle_batch - retired_with_batch == len(prompts)
-        # The sampled request first, and every prompt in the first step: the batch is
-        # mixed from its first step on.
-        mixed = [SamplingParams(temperature=1.0, max_tokens=16, seed=3, ignore_eos=True),
-                 *[SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]]
+        # The sampled request first, every prompt in the first step, and the sampled one
+        # outliving the greedy ones whatever its draws (32 tokens take it at least 8 steps
+        # at K = 3, 4 tokens take a greedy one at most 4): the batch is mixed throughout.
+        mixed = [SamplingParams(temperature=1.0, max_tokens=32, seed=3, ignore_eos=True),
+                 *[SamplingParams(temperature=0.0, max_tokens=4) for _ in prompts]]
         planned, retirements = control.stats.steps, holes.retirements
         seqs = engine.generate([prompts_of([8], seed=48)[0], *prompts], mixed)
         ids = sorted(seqs, key=int)
         for rid, prompt in zip(ids[1:], prompts):
-            assert seqs[rid] == prompt + greedy_generate(target, prompt, 12), rid
-        assert len(seqs[ids[0]]) == 8 + 16
+            assert seqs[rid] == prompt + greedy_generate(target, prompt, 4), rid
+        assert len(seqs[ids[0]]) == 8 + 32
         assert {len(r.tokens) for r in engine.records} == {K}
         assert {r.req_id for r in engine.records} == set(ids)
         assert control.stats.steps == planned and holes.retirements == retirements

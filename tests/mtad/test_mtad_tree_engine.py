@@ -284,8 +284,10 @@ def test_default_greedy_control_cuts_only_all_greedy_beam_trees(pair, engine):
 
     _, target = pair
     prompts = prompts_of([6, 17, 25, 9], seed=17)  # one first step for all four (64 tokens)
-    mixed = [SamplingParams(temperature=0.9, max_tokens=16, seed=4, ignore_eos=True),
-             *[SamplingParams(temperature=0.0, max_tokens=8) for _ in prompts[1:]]]
+    # The sampled request outlives the greedy ones whatever its draws (32 tokens: at
+    # least 8 steps; 4 tokens: at most 4).
+    mixed = [SamplingParams(temperature=0.9, max_tokens=32, seed=4, ignore_eos=True),
+             *[SamplingParams(temperature=0.0, max_tokens=4) for _ in prompts[1:]]]
     before = engine.state.stats.tree_nodes
     outs, control, _ = run_with_tree_cost_control(engine, prompts, mixed, value="greedy")
     check_rows(target, prompts, mixed, outs)
