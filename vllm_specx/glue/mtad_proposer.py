@@ -315,8 +315,13 @@ class MTADRound:
         (``DraftKVHoles.admit``)."""
         if self.settings.get("cost_control") != "greedy":
             return True
+        return len(req_ids) > 0 and self._all_greedy(req_ids) is True
+
+    def _all_greedy(self, req_ids: Sequence[str]) -> bool | None:
+        """Whether every request of the batch is greedy; None where the runner does not
+        say (:meth:`_greedy_requests`)."""
         greedy = self._greedy_requests(tuple(req_ids))
-        return greedy is not None and greedy.size > 0 and bool(greedy.all())
+        return None if greedy is None else bool(greedy.all())
 
     def _plan_widths(self, req_ids: tuple[str, ...]) -> np.ndarray:
         """The beam rows each request carries per lookahead pass: ``B``, or 1 for a greedy
@@ -665,8 +670,8 @@ class MTADRound:
         the batch); None where the runner does not say which requests are greedy."""
         if not (self.may_draft_sampled_children() and sampled_children_on(self)):
             return False
-        greedy = self._greedy_requests(tuple(req_ids))
-        return None if greedy is None else not bool(greedy.all())
+        all_greedy = self._all_greedy(req_ids)
+        return None if all_greedy is None else not all_greedy
 
 
 class MTADProposer(MTADRound, SpecxDraftModelProposer):
