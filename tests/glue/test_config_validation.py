@@ -219,7 +219,7 @@ def test_mtad_translates_to_draft_model_with_defaults():
     assert result.specx_settings == {
         "method": "mtad", "num_speculative_tokens": 4, "num_beams": 4,
         "acceptance_threshold": 0.1, "greedy_drafting": "chain", "draft_tree": False,
-        "cost_control": "greedy",
+        "cost_control": True,
     }
 
 
@@ -297,20 +297,22 @@ def test_cost_control_off_where_it_does_not_apply_is_accepted(config):
     assert "cost_control" not in result.vllm_speculative_config
 
 
-def test_mtad_cost_control_defaults_to_greedy_and_takes_three_values():
-    # issue 32: mtad's per-step depth control, by default on its all-greedy steps only
-    # (docs/cost-control.md); on, it runs on either model runner (plans on V1 and V2).
+def test_mtad_cost_control_defaults_to_on_and_takes_three_values():
+    # issue 32: mtad's per-step depth control, on by default for every step ("greedy":
+    # all-greedy steps only; docs/cost-control.md); on, it runs on either model runner
+    # (plans on V1 and V2).
     from vllm_specx.methods import METHODS, drafts_ragged
 
     default = run({"method": "mtad", "model": "d"})
-    assert default.specx_settings["cost_control"] == "greedy"
+    assert default.specx_settings["cost_control"] is True
     assert drafts_ragged(default.specx_settings) and drafts_ragged(default.specx_settings,
                                                                    on_v2=True)
     assert METHODS["mtad"].v1_only_reason(default.specx_settings) is None
-    on = run({"method": "mtad", "model": "d", "cost_control": True})
-    assert on.specx_settings["cost_control"] is True
-    assert "cost_control" not in on.vllm_speculative_config
-    assert METHODS["mtad"].v1_only_reason(on.specx_settings) is None
+    greedy = run({"method": "mtad", "model": "d", "cost_control": "greedy"})
+    assert greedy.specx_settings["cost_control"] == "greedy"
+    assert "cost_control" not in greedy.vllm_speculative_config
+    assert drafts_ragged(greedy.specx_settings)
+    assert METHODS["mtad"].v1_only_reason(greedy.specx_settings) is None
     off = run({"method": "mtad", "model": "d", "cost_control": False, "draft_tree": True})
     assert off.specx_settings["cost_control"] is False
     assert METHODS["mtad"].v1_only_reason(off.specx_settings) is None

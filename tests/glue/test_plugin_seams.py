@@ -152,7 +152,7 @@ def test_specx_method_builds_vllm_config_and_carries_settings(model_dir, monkeyp
     assert cfg.additional_config[SPECX_CONFIG_KEY] == {
         "method": "mtad", "num_speculative_tokens": 3, "num_beams": 2,
         "acceptance_threshold": 0.25, "greedy_drafting": "chain", "draft_tree": False,
-        "cost_control": "greedy",
+        "cost_control": True,
     }
     assert cfg.use_v2_model_runner is False
 
@@ -192,24 +192,24 @@ def test_ragged_draft_methods_run_with_synchronous_scheduling(model_dir):
 
 
 def test_mtad_depth_control_runs_synchronously_on_either_runner(model_dir, monkeypatch):
-    """mtad with "cost_control": true, or its default "greedy", drafts one depth 0..K
+    """mtad with "cost_control": true (its default) or "greedy" drafts one depth 0..K
     per step (ragged lists to the scheduler): async scheduling off, refused in one line
-    naming cost_control when asked for; it is no V1-only setting (issue 32): forcing Model
-    Runner V2 meets no specx refusal, only vLLM's own where Triton is missing. Without the
-    control mtad keeps vLLM's scheduling choice."""
+    naming cost_control and its value when asked for, saying when it is the default and how
+    to keep async scheduling; it is no V1-only setting (issue 32): forcing Model Runner V2
+    meets no specx refusal, only vLLM's own where Triton is missing. Without the control
+    mtad keeps vLLM's scheduling choice."""
     spec = {"method": "mtad", "model": model_dir, "num_speculative_tokens": 3,
-            "num_beams": 2, "cost_control": True}
+            "num_beams": 2, "cost_control": "greedy"}
     assert METHODS["mtad"].v1_only_reason(spec) is None
     cfg = engine_config(model_dir, dict(spec))
     assert cfg.scheduler_config.async_scheduling is False
-    with pytest.raises(ValueError, match="'mtad' with cost_control true: it drafts") as err:
+    with pytest.raises(ValueError, match=r"'mtad' with cost_control \"greedy\": it drafts"
+                                         r'.*"cost_control": false') as err:
         engine_config(model_dir, dict(spec), async_scheduling=True)
     assert "\n" not in str(err.value)
-    # The default ("greedy": the control on all-greedy steps) is ragged too; the refusal
-    # says it is the default and how to keep async scheduling.
     default = {k: v for k, v in spec.items() if k != "cost_control"}
     assert engine_config(model_dir, dict(default)).scheduler_config.async_scheduling is False
-    with pytest.raises(ValueError, match=r'cost_control "greedy" \(its default\).*'
+    with pytest.raises(ValueError, match=r"cost_control true \(its default\): it drafts.*"
                                          r'"cost_control": false') as err:
         engine_config(model_dir, dict(default), async_scheduling=True)
     assert "\n" not in str(err.value)

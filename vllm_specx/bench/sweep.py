@@ -18,9 +18,9 @@ from typing import Any
 
 from vllm_specx.bench.prompts import PromptSet
 
-# Methods whose cost control (glue/cost_model.py) is on by default (mtad's, "greedy", on
-# its all-greedy steps); specx_mtp / specx_eagle* only with "adaptive": true (without it
-# they draft K every step).
+# Methods whose cost control (glue/cost_model.py) is on by default (mtad's on every step;
+# "greedy" narrows it to all-greedy steps); specx_mtp / specx_eagle* only with
+# "adaptive": true (without it they draft K every step).
 _CONTROLLED = ("adaptive", "mtad")
 _CONTROLLED_WHEN_ADAPTIVE = ("specx_mtp", "specx_eagle3", "specx_eagle")
 OFF_SUFFIX = " (cost_control off)"

@@ -307,7 +307,7 @@ class MTADRound:
 
     def controls_batch(self, req_ids: Sequence[str]) -> bool:
         """Whether the cost control weighs this batch's drafts: always with
-        ``"cost_control": true``; under ``"greedy"`` (the default) only when every request
+        ``"cost_control": true`` (the default); under ``"greedy"`` only when every request
         is greedy (known to be: a runner that does not say counts as sampled), because
         greedy requests are verified greedily, so their depth changes their speed and never
         their output, while a sampled request's output depends on how deep mtad drafts.
