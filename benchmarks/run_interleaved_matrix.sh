@@ -9,7 +9,8 @@
 # them (cost control on by default; adaptive's K = 8 by default), vLLM's eagle3 K=3 and
 # draft_model K=1 (the shipped head and drafter), and a second no-speculation engine
 # started last ("none again"): the same work as the baseline, so its distance from 1.00x
-# is what the host and the engines' order alone do to a row in that cell (read every row's speed-up against it).
+# is what the host and the engines' order alone do to a row in that cell (read every
+# row's speed-up against it).
 # Usage: bash benchmarks/run_interleaved_matrix.sh [OUT_DIR]   (default: bench-out/matrix)
 # Env:   BATCHES ("1 8 32"), TEMPERATURES ("0 1"), MAX_TOKENS (64), REPEATS (2),
 #        EAGLE3 (the shipped EAGLE-3 head)

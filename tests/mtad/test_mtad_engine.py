@@ -421,9 +421,9 @@ def test_cost_control_planning_zero_or_k_leaves_mtad_as_it_is(pair, engine, rate
         assert records == plain_records and len(records) >= 10
 
 
-def test_default_greedy_control_weighs_only_all_greedy_batches(pair, engine):
-    """The default ``"cost_control": "greedy"``: a batch of greedy requests is planned (here
-    no draft ever pays: every step a plain decode step, and after 16 idle plans the batch
+def test_greedy_control_weighs_only_all_greedy_batches(pair, engine):
+    """``"cost_control": "greedy"``: a batch of greedy requests is planned (here no draft
+    ever pays: every step a plain decode step, and after 16 idle plans the batch
     retires); a batch with a sampled request drafts K for every request on every step,
     weighs nothing and retires nobody (a retired request would draft nothing), although
     the control's idle plans and costs would retire arrivals. Greedy output equals no

@@ -275,8 +275,8 @@ def test_cost_control_prunes_the_beam_tree(pair, engine):
     assert stats["tree_cost_control"]["kept_nodes"] == control.stats.kept_nodes
 
 
-def test_default_greedy_control_cuts_only_all_greedy_beam_trees(pair, engine):
-    """mtad's default ``"cost_control": "greedy"`` with ``draft_tree``: a batch with a
+def test_greedy_control_cuts_only_all_greedy_beam_trees(pair, engine):
+    """mtad's ``"cost_control": "greedy"`` with ``draft_tree``: a batch with a
     sampled request (from its first step to its last) drafts and verifies its whole beam
     trees, the control weighing none; a batch of greedy requests has its trees cut as with
     ``true``. Greedy rows equal plain greedy decoding in both."""
