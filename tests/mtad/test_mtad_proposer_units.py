@@ -32,6 +32,23 @@ def test_proposer_reads_the_validated_settings_and_applies_no_default():
         _ = proposer.num_beams
 
 
+def test_default_control_weighs_sampled_batches_and_greedy_only_all_greedy_ones():
+    """mtad's validated default (``"cost_control": true``) weighs every batch, one with a
+    sampled request too; ``"greedy"`` only a batch whose requests are all greedy (read from
+    V1's ``input_batch.greedy_reqs``); false none."""
+    # The value the validation fills in (tests/glue/test_config_validation.py checks it).
+    default = {"method": "mtad", "cost_control": METHODS["mtad"].knob("cost_control").default}
+    proposer = object.__new__(MTADProposer)
+    proposer.model_runner = SimpleNamespace(input_batch=SimpleNamespace(greedy_reqs={"g"}))
+    mixed, greedy = ("g", "s"), ("g",)
+    proposer.settings = default
+    assert proposer.controls_batch(mixed) and proposer.controls_batch(greedy)
+    proposer.settings = {**default, "cost_control": "greedy"}
+    assert not proposer.controls_batch(mixed) and proposer.controls_batch(greedy)
+    proposer.model_runner = SimpleNamespace()  # a runner that does not say: sampled
+    assert not proposer.controls_batch(greedy)
+
+
 def fake_proposer(**flags):
     base = dict(use_heterogeneous_vocab=False, parallel_drafting=False, uses_mrope=False)
     base.update(flags)
