@@ -35,7 +35,7 @@ def test_proposer_reads_the_validated_settings_and_applies_no_default():
 def test_default_control_weighs_sampled_batches_and_greedy_only_all_greedy_ones():
     """mtad's validated default (``"cost_control": true``) weighs every batch, one with a
     sampled request too; ``"greedy"`` only a batch whose requests are all greedy (read from
-    V1's ``input_batch.greedy_reqs``); false none."""
+    V1's ``input_batch.greedy_reqs``). With false there is no control to ask."""
     # The value the validation fills in (tests/glue/test_config_validation.py checks it).
     default = {"method": "mtad", "cost_control": METHODS["mtad"].knob("cost_control").default}
     proposer = object.__new__(MTADProposer)
