@@ -106,8 +106,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=str, default=None, metavar="B1,B2,...",
                    help="sweep: the benchmark once per batch size (max_num_seqs = B, at "
                    "least B prompts: the prompt set repeated), every configuration under "
-                   "cost control (mtad: where \"cost_control\": true is given) also with "
-                   "\"cost_control\": false; writes each batch "
+                   "cost control (the default of adaptive, mtad and the adaptive specx_* "
+                   "heads) also with \"cost_control\": false; writes each batch "
                    "size's report as STEM_bB.json and the speed-up against batch size as "
                    "STEM_batch_sweep.csv / .png / .md (docs/cost-control.md)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
