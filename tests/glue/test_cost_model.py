@@ -624,6 +624,41 @@ def test_the_skip_debt_is_a_catch_ups_cost_per_position_not_its_passes():
     assert same.skip_prices(row_cost=0.0002) == pytest.approx((0.0002, 0.0024))
 
 
+def test_holes_fed_in_the_first_pass_are_its_rows_and_price_a_skip_as_a_row():
+    # A draft model on V1 feeds a hole's positions in front of the next first pass's
+    # queries (DraftKVHoles.first_pass_with_holes): they are rows of a round that runs
+    # anyway, so the round's per-row cost covers them and a skipped position costs a row
+    # plus its share of the block-end passes that still run apart; no pass is left.
+    model, clock = _started()
+    rng = np.random.default_rng(5)
+    for i in range(300):
+        clock.now += 0.010
+        model.round_begins(1, 0)
+        passes = int(rng.integers(1, 4))
+        rows = passes * int(rng.integers(1, 3))
+        merged = int(rng.integers(0, 9))
+        model.merged_catch_up(merged)
+        clock.now += 0.003 + 0.001 * passes + 0.0002 * (rows + merged)
+        model.round_ends(True, passes, rows)
+        if i % 50 == 0:  # a block-end catch-up pass of 4 positions, 2.4 ms
+            model.exclude(0.0024, positions=4)
+    row = model.step_costs().draft_row
+    assert row == pytest.approx(0.0002, rel=0.05)  # the merged rows learnt as rows
+    per, fixed = model.skip_prices(row_cost=row)
+    # 6 block-end passes among ~1,200 merged positions: a few microseconds a position.
+    spread = model.catch_up_seconds / (model.catch_up_positions + model.merged_positions)
+    assert 0.0 < spread < 0.00005
+    assert per == pytest.approx(row + spread) and fixed == 0.0
+    assert model.describe()["round_ms"]["catch_up_pass"] == 0.0
+    # Without merged holes the same block-end passes alone (all of one size) price a
+    # position at their average (0.6 ms), or at a row where a row's cost is known.
+    alone, _ = _started()
+    for _ in range(6):
+        alone.exclude(0.0024, positions=4)
+    assert alone.skip_prices(row_cost=row)[0] == pytest.approx(row)
+    assert alone.skip_prices()[0] == pytest.approx(0.0006)
+
+
 def test_a_sure_token_pays_exactly_where_its_step_beats_the_plain_step():
     # Reference by definition: one request's one token, certainly accepted, turns a plain
     # step of B tokens into B + 1 tokens for the plain step's time plus that token's

@@ -286,5 +286,11 @@ def test_bench_report_prints_what_the_tree_control_kept():
     report["configs"][0]["drafter_stats"]["tree_cost_control"] = described
     line = next(x for x in markdown_table(report).splitlines()
                 if x.startswith("- tree cost control of eagle3 tree"))
-    assert "; 7 first passes skipped (depth 0), caught up in 3 passes over 11 positions" in line
+    assert ("; 7 first passes skipped (depth 0), 11 positions caught up, in 3 passes of "
+            "their own") in line
+    # A draft model on V1 feeds most holes inside its next first passes.
+    described["idle_first_pass"]["merged_catch_ups"] = 4
+    line = next(x for x in markdown_table(report).splitlines()
+                if x.startswith("- tree cost control of eagle3 tree"))
+    assert "11 positions caught up, in 4 first passes, in 3 passes of their own" in line
     assert "2 requests retired from drafting" in line

@@ -251,9 +251,11 @@ def _skipped_text(idle: Any) -> str:
     catch-ups that wrote their draft KV later (``DraftKVHoles.as_dict``)."""
     if not isinstance(idle, dict) or not idle.get("skipped_first_passes"):
         return ""
-    return (f"; {idle['skipped_first_passes']} first passes skipped (depth 0), caught up "
-            f"in {idle.get('catch_up_passes')} passes over {idle.get('catch_up_tokens')} "
-            "positions")
+    merged = idle.get("merged_catch_ups")
+    return (f"; {idle['skipped_first_passes']} first passes skipped (depth 0), "
+            f"{idle.get('catch_up_tokens')} positions caught up"
+            + (f", in {merged} first passes" if merged else "")
+            + f", in {idle.get('catch_up_passes')} passes of their own")
 
 
 def _cost_model_text(model: Any) -> str:

@@ -317,6 +317,10 @@ class MeasuredCosts:
         self.catch_up_passes = 0.0
         self.catch_up_positions_sq = 0.0
         self.catch_up_cross = 0.0
+        # Hole positions fed inside first passes (merged_catch_up; decaying, in step with
+        # the sums above), and those of the current round, added to its rows.
+        self.merged_positions = 0.0
+        self._merged_rows = 0
 
     def _prior_target(self) -> np.ndarray:
         return _PRIOR_TARGET * (self.scale or 1.0)
@@ -418,6 +422,7 @@ class MeasuredCosts:
         self._round_end = None
         self._round_start = None
         self._excluded = 0.0
+        self._merged_rows = 0
 
     def exclude(self, seconds: float, positions: int = 0) -> None:
         """``seconds`` of the current interval or round were a catch-up of skipped first
@@ -436,11 +441,29 @@ class MeasuredCosts:
         self._excluded += seconds
         if positions > 0:
             d = CATCH_UP_DECAY
+            self.merged_positions *= d
             self.catch_up_seconds = d * self.catch_up_seconds + seconds
             self.catch_up_positions = d * self.catch_up_positions + positions
             self.catch_up_passes = d * self.catch_up_passes + 1.0
             self.catch_up_positions_sq = d * self.catch_up_positions_sq + positions * positions
             self.catch_up_cross = d * self.catch_up_cross + positions * seconds
+
+    def merged_catch_up(self, positions: int) -> None:
+        """The current round's first pass fed ``positions`` hole positions in front of its
+        queries (``DraftKVHoles.first_pass_with_holes``) instead of a catch-up pass of
+        their own: they are rows of that pass, counted with the round's rows (its
+        per-row cost is then theirs too), and what a skipped position costs becomes a
+        row (:meth:`skip_prices`)."""
+        if positions <= 0:
+            return
+        self._merged_rows += positions
+        d = CATCH_UP_DECAY
+        self.merged_positions = d * self.merged_positions + positions
+        self.catch_up_seconds *= d
+        self.catch_up_positions *= d
+        self.catch_up_passes *= d
+        self.catch_up_positions_sq *= d
+        self.catch_up_cross *= d
 
     def skip_debt(self, row_cost: float = 0.0) -> float:
         """Seconds per position a skipped first pass leaves to a later catch-up
@@ -465,6 +488,13 @@ class MeasuredCosts:
         real pair that priced a skipped step at 3.2 ms per request: the plan then drafted
         for some request on 364 of 492 steps to spare it, and ran 0.86x of no speculation
         where drafting nothing ran about 1.0x (2026-11-26 16:52 UTC)."""
+        if self.merged_positions > 0.0:
+            # Holes ride in the next first pass (DraftKVHoles.first_pass_with_holes): a
+            # skipped position costs a row of that pass, plus its share of the passes
+            # that still run apart (blocks vLLM caches during a run of skips) spread over
+            # every position caught up. No pass is left to a return from skipping.
+            spread = self.catch_up_seconds / (self.catch_up_positions + self.merged_positions)
+            return max(row_cost, 0.0) + spread, 0.0
         if self.catch_up_positions <= 0.0:
             return 0.0, 0.0
         average = self.catch_up_seconds / self.catch_up_positions
@@ -482,6 +512,8 @@ class MeasuredCosts:
     def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
         now = self.clock()
         excluded, self._excluded = self._excluded, 0.0
+        rows += self._merged_rows  # hole positions its first pass fed (merged_catch_up)
+        self._merged_rows = 0
         if self._round_start is not None and self.scale is not None:
             # The constant: what every round costs, drafting or not (the plan, the hole
             # bookkeeping), so not a cost of drafting. Without it a skipped round's ~1 ms

@@ -185,8 +185,17 @@ class SpecxPasses(SpecDecodeBaseProposer):
                            runner.input_batch.num_tokens_no_spec[:num_reqs],
                            runner.input_batch.token_ids_cpu)
                 return [[] for _ in range(num_reqs)]
-            holes.catch_up(self, common_attn_metadata, req_ids, first_pos,
-                           runner.input_batch.token_ids_cpu)
+            merged = holes.catch_up(
+                self, common_attn_metadata, req_ids, first_pos,
+                runner.input_batch.token_ids_cpu,
+                merge_room=self.first_pass_room(num_reqs, target_token_ids, target_positions))
+            if merged:
+                # The holes ride in this first pass, before each request's query tokens:
+                # no catch-up pass of their own (issue 32).
+                target_token_ids, target_positions, common_attn_metadata = (
+                    holes.first_pass_with_holes(
+                        self, merged, runner.input_batch.token_ids_cpu, target_token_ids,
+                        target_positions, common_attn_metadata))
         target_hidden_states = self.first_pass_hidden(target_hidden_states)
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
@@ -280,6 +289,21 @@ class SpecxPasses(SpecDecodeBaseProposer):
             next_token_ids[i] = requests[gpu_input_batch.req_ids[i]].get_token_id(
                 int(gpu_input_batch.num_tokens_no_spec[i]) - 1)
         return next_token_ids, valid.to(torch.int32)
+
+    def first_pass_room(self, num_reqs: int, target_token_ids: torch.Tensor,
+                        target_positions: torch.Tensor) -> int:
+        """How many hole positions this step's first pass can take in front of its query
+        tokens (``DraftKVHoles.catch_up``'s ``merge_room``): what its buffers hold beyond
+        the target's tokens and each request's extra slot. 0 where the first pass is not
+        a draft model's (vLLM's extra-slot layout over token ids alone: an EAGLE/MTP head
+        also reads hidden states of those positions, a multimodal draft embeddings) or its
+        positions are not one row per token (M-RoPE)."""
+        if (not getattr(self, "needs_extra_input_slots", False)
+                or self.pass_hidden_states_to_model or self.supports_mm_inputs
+                or target_positions.dim() != 1):
+            return 0
+        used = int(target_token_ids.shape[0]) + num_reqs * int(self.extra_slots_per_request)
+        return max(int(self.input_ids.shape[0]) - used, 0)
 
     def first_pass_hidden(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """The target's hidden states as the first pass reads them, made only once the
@@ -702,9 +726,13 @@ class DraftKVHoles:
         self.catch_up_steps = 0  # first passes preceded by a catch-up
         self.catch_up_passes = 0
         self.catch_up_tokens = 0
+        self.merged_catch_ups = 0  # first passes that fed holes in front of their queries
         # Most tokens one catch-up pass feeds (None: the drafter's token buffer). Tests
         # set it small to exercise holes caught up over several passes.
         self.pass_tokens: int | None = None
+        # False: holes are always caught up by passes of their own, never in the first
+        # pass (catch_up). Tests set it to exercise those passes on V1.
+        self.merge_catch_ups = True
 
     @property
     def idle_batch_plans(self) -> int:
@@ -820,16 +848,23 @@ class DraftKVHoles:
 
     def catch_up(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
                  req_ids: Sequence[str], first_pos: np.ndarray,
-                 token_ids_cpu: np.ndarray) -> None:
-        """Before a first pass: write the missing draft KV of the batch's requests
-        (``LookaheadPasses`` over the target's attention metadata ``cad``, each row fed its
-        committed tokens right-aligned so its last one sits just before where the row's
-        piece ends), in one pass when the drafter's token buffer holds them all, else in
-        passes that each take the next piece of every row (a row's pieces in order)."""
+                 token_ids_cpu: np.ndarray, merge_room: int = 0) -> dict[int, list[int]]:
+        """Before a first pass: the missing draft KV of the batch's requests.
+
+        Where the first pass can take them (``merge_room``: the hole positions its
+        buffers hold, :meth:`SpecxPasses.first_pass_room`; and :attr:`merge_catch_ups`),
+        they are returned, ``{batch row: [h, Q]}``, for that pass to feed in front of each
+        request's query tokens (:meth:`first_pass_with_holes`): no pass of their own.
+        Otherwise (Model Runner V2, whose first pass is vLLM's own, or holes too long)
+        they are written here and ``{}`` returned: ``LookaheadPasses`` over the target's
+        attention metadata ``cad``, each row fed its committed tokens right-aligned so its
+        last one sits just before where the row's piece ends, in one pass when the
+        drafter's token buffer holds them all, else in passes that each take the next
+        piece of every row (a row's pieces in order)."""
         for rid in req_ids:  # the first pass runs: nobody's run of skipped steps goes on
             self.idle_steps.pop(rid, None)
         if not self.start:
-            return
+            return {}
         todo: dict[int, list[int]] = {}  # batch row -> [next position to write, Q]
         for i, rid in enumerate(req_ids):
             h = self.start.pop(rid, None)
@@ -837,7 +872,82 @@ class DraftKVHoles:
             if h is not None and h < q:
                 todo[i] = [h, q]
         self.catch_up_steps += bool(todo)
+        positions = sum(q - h for h, q in todo.values())
+        if todo and self.merge_catch_ups and positions <= merge_room:
+            self.merged_catch_ups += 1
+            self.catch_up_tokens += positions
+            return todo
         self._catch_up_spans(proposer, cad, len(req_ids), todo, token_ids_cpu)
+        return {}
+
+    def first_pass_with_holes(
+        self, proposer: SpecxPasses, holes: dict[int, list[int]], token_ids_cpu: np.ndarray,
+        target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+        cad: CommonAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+        """The target's step inputs as the first pass reads them, with each hole
+        ``holes[row] = [h, Q]`` (:meth:`catch_up`'s) in front of its row's query: the
+        committed tokens at positions ``h .. Q-1``, then the query from ``Q``, as a
+        chunked prefill of that request would feed them. The draft then writes the hole's
+        KV in the same pass that writes the step's, and reads exactly the KV it would
+        have had without the skips. The query lengths, token count and slot mapping grow
+        by the holes; sequence lengths, the block table and the rejected tokens (at each
+        query's end) are the target's. The hole's rows are the cost of skipping
+        (``MeasuredCosts.merged_catch_up``): one row a position in a pass that runs
+        anyway, where a pass of its own cost a whole draft pass (3.8 ms on the real pair
+        at batch 1) that no plan could weigh well (docs/cost-control.md)."""
+        qsl = cad.query_start_loc_cpu.numpy().astype(np.int64)
+        lens = np.zeros(len(qsl) - 1, dtype=np.int64)
+        for i, (h, q) in holes.items():
+            lens[i] = q - h
+        before = np.concatenate([[0], np.cumsum(lens)])  # hole positions before row i
+        total = int(before[-1])
+        n_old = int(target_token_ids.shape[0])
+        # Each old token moves by the holes up to and including its own row's; tokens
+        # past the last query (padding) by all of them.
+        row_of = np.searchsorted(qsl[1:], np.arange(n_old), side="right")
+        old_dest = np.arange(n_old) + before[np.minimum(row_of + 1, len(lens))]
+        rows = sorted(holes)
+        hole_dest = np.concatenate(
+            [qsl[i] + before[i] + np.arange(lens[i]) for i in rows])
+        hole_pos = np.concatenate([np.arange(*holes[i]) for i in rows])
+        hole_tok = torch.cat([self.fed_tokens(i, *holes[i], token_ids_cpu) for i in rows])
+        device = target_token_ids.device
+        old_dest_t = torch.from_numpy(old_dest).to(device)
+        hole_dest_t = torch.from_numpy(hole_dest).to(device)
+        hole_pos_t = torch.from_numpy(hole_pos).to(device)
+        token_ids = target_token_ids.new_empty(n_old + total)
+        token_ids[old_dest_t] = target_token_ids
+        token_ids[hole_dest_t] = hole_tok.to(device=device, dtype=token_ids.dtype)
+        positions = target_positions.new_empty(n_old + total)
+        positions[old_dest_t] = target_positions
+        positions[hole_dest_t] = hole_pos_t.to(positions.dtype)
+        # The holes' slots, from the request's block table (vLLM recomputes the draft
+        # model's from the positions; kept right for any other reader).
+        bs = int(proposer.block_size)
+        hole_rows = torch.from_numpy(np.repeat(rows, lens[rows])).to(device)
+        blocks = cad.block_table_tensor[hole_rows, hole_pos_t // bs]
+        slot_mapping = cad.slot_mapping.new_full((n_old + total,), PADDING_SLOT_ID)
+        n_slots = min(int(cad.slot_mapping.shape[0]), n_old)
+        slot_mapping[old_dest_t[:n_slots]] = cad.slot_mapping[:n_slots]
+        slot_mapping[hole_dest_t] = (blocks * bs + hole_pos_t % bs).to(slot_mapping.dtype)
+        new_qsl = qsl + before
+        qsl_cpu = torch.from_numpy(new_qsl).to(cad.query_start_loc_cpu.dtype)
+        new_cad = cad.replace(
+            query_start_loc=qsl_cpu.to(device=cad.query_start_loc.device, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu,
+            num_actual_tokens=int(cad.num_actual_tokens) + total,
+            max_query_len=int(np.diff(new_qsl).max()),
+            slot_mapping=slot_mapping,
+            positions=positions if cad.positions is not None else None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        control = (getattr(proposer, "_cost_control", None)
+                   or getattr(proposer, "_tree_cost", None))
+        if control is not None:
+            control.costs.merged_catch_up(total)
+        return token_ids, positions, new_cad
 
     def _catch_up_spans(self, proposer: SpecxPasses, cad: CommonAttentionMetadata,
                         num_reqs: int, todo: dict[int, list[int]],
@@ -906,6 +1016,7 @@ class DraftKVHoles:
                 "catch_up_steps": self.catch_up_steps,
                 "catch_up_passes": self.catch_up_passes,
                 "catch_up_tokens": self.catch_up_tokens,
+                "merged_catch_ups": self.merged_catch_ups,
                 "retired_requests": self.retirements,
                 "retired_on_arrival": self.retired_on_arrival,
                 "retired_idle_batch": self.retired_idle_batch,

@@ -216,12 +216,15 @@ class HeadKVHoles(DraftKVHoles):
         self.start = {r: h for r, h in self.start.items() if r in self.kept}
 
     def catch_up(self, proposer: Any, cad: CommonAttentionMetadata, req_ids: Sequence[str],
-                 first_pos: np.ndarray, token_ids_cpu: np.ndarray) -> None:
+                 first_pos: np.ndarray, token_ids_cpu: np.ndarray,
+                 merge_room: int = 0) -> dict[int, list[int]]:
         """Before a first pass: feed each of the batch's requests its kept inputs at the
         positions from its hole's start to the step's first query position (what is
-        kept ends there unless the request was recomputed: then nothing is fed)."""
+        kept ends there unless the request was recomputed: then nothing is fed). Always
+        in passes of their own (a head's first pass has no room for holes: ``merge_room``
+        is 0), so nothing is left to the first pass."""
         if not self.start:
-            return
+            return {}
         self._rows = list(req_ids)
         todo: dict[int, list[int]] = {}
         for i, rid in enumerate(req_ids):
@@ -236,6 +239,7 @@ class HeadKVHoles(DraftKVHoles):
         self._catch_up_spans(proposer, cad, len(req_ids), todo, token_ids_cpu)
         for rid in req_ids:
             self.kept.pop(rid, None)
+        return {}
 
     def fed_tokens(self, row: int, a: int, b: int, token_ids_cpu: np.ndarray) -> torch.Tensor:
         return self.kept[self._rows[row]].rows(a, b)[0]
