@@ -624,11 +624,12 @@ def test_the_skip_debt_is_a_catch_ups_cost_per_position_not_its_passes():
     assert same.skip_prices(row_cost=0.0002) == pytest.approx((0.0002, 0.0024))
 
 
-def test_holes_fed_in_the_first_pass_are_its_rows_and_price_a_skip_as_a_row():
+def test_holes_fed_in_the_first_pass_are_priced_by_their_own_term():
     # A draft model on V1 feeds a hole's positions in front of the next first pass's
-    # queries (DraftKVHoles.first_pass_with_holes): they are rows of a round that runs
-    # anyway, so the round's per-row cost covers them and a skipped position costs a row
-    # plus its share of the block-end passes that still run apart; no pass is left.
+    # queries (DraftKVHoles.first_pass_with_holes): rows of a round that runs anyway, a
+    # term of the round's fit of their own (not the lookahead rows', which at batch 1
+    # move with the passes), and a skipped position costs that term plus its share of the
+    # block-end passes that still run apart; no pass is left.
     model, clock = _started()
     rng = np.random.default_rng(5)
     for i in range(300):
@@ -636,26 +637,29 @@ def test_holes_fed_in_the_first_pass_are_its_rows_and_price_a_skip_as_a_row():
         model.round_begins(1, 0)
         passes = int(rng.integers(1, 4))
         rows = passes * int(rng.integers(1, 3))
-        merged = int(rng.integers(0, 9))
+        merged = int(rng.integers(0, 30)) if rng.random() < 0.2 else 0
         model.merged_catch_up(merged)
-        clock.now += 0.003 + 0.001 * passes + 0.0002 * (rows + merged)
+        clock.now += 0.003 + 0.001 * passes + 0.0002 * rows + 0.00005 * merged
         model.round_ends(True, passes, rows)
         if i % 50 == 0:  # a block-end catch-up pass of 4 positions, 2.4 ms
             model.exclude(0.0024, positions=4)
-    row = model.step_costs().draft_row
-    assert row == pytest.approx(0.0002, rel=0.05)  # the merged rows learnt as rows
-    per, fixed = model.skip_prices(row_cost=row)
-    # 6 block-end passes among ~1,200 merged positions: a few microseconds a position.
+    costs = model.step_costs()
+    assert costs.draft_row == pytest.approx(0.0002, rel=0.05)
+    hole = model.describe()["round_ms"]["per_hole_position"] / 1e3
+    assert hole == pytest.approx(0.00005, rel=0.1)  # its own term, not a row's
+    per, fixed = model.skip_prices(row_cost=costs.draft_row, hole_cost=hole)
+    # 6 block-end passes among ~900 merged positions: tens of microseconds a position.
     spread = model.catch_up_seconds / (model.catch_up_positions + model.merged_positions)
-    assert 0.0 < spread < 0.00005
-    assert per == pytest.approx(row + spread) and fixed == 0.0
+    assert 0.0 < spread < 0.0001
+    assert per == pytest.approx(hole + spread) and fixed == 0.0
+    assert costs.skip_debt == pytest.approx(per, rel=1e-6)
     assert model.describe()["round_ms"]["catch_up_pass"] == 0.0
     # Without merged holes the same block-end passes alone (all of one size) price a
     # position at their average (0.6 ms), or at a row where a row's cost is known.
     alone, _ = _started()
     for _ in range(6):
         alone.exclude(0.0024, positions=4)
-    assert alone.skip_prices(row_cost=row)[0] == pytest.approx(row)
+    assert alone.skip_prices(row_cost=0.0002)[0] == pytest.approx(0.0002)
     assert alone.skip_prices()[0] == pytest.approx(0.0006)
 
 

@@ -22,9 +22,10 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   calls or a step that compiled kernels, is dropped; catch-ups of skipped first passes
   are left out, :meth:`MeasuredCosts.exclude`);
 * the **round**: its time on the same clock, fitted as ``always + round * [anyone drafts]
-  + pass * passes + row * rows`` (passes: lookahead passes; rows: their request rows;
-  ``always``: what a round costs whether or not anyone drafts, left out of the plan); a round far
-  above its prior cost is clipped.
+  + pass * passes + row * rows + hole * holes`` (passes: lookahead passes; rows: their
+  request rows; holes: positions that skipped first passes left, fed in this round's first
+  pass by a draft model on V1; ``always``: what a round costs whether or not anyone drafts,
+  left out of the plan); a round far above its prior cost is clipped.
 
 Both are least squares with forgetting (about the last 100 steps), solved with every cost
 non-negative (``_nonnegative_least_squares``; every :data:`REFIT_EVERY` steps in an
@@ -70,8 +71,10 @@ from vllm_specx.algorithms.draft_stop import ConfidenceStop, DraftStopRule, Head
 # Relative prior (units of one target base step): see the module doc.
 PRIOR_TARGET = (1.0, 0.02, 0.05, 0.02)  # base, per request, per draft token, any verified
 _PRIOR_TARGET = np.array(PRIOR_TARGET)
-# always (the plan's own host work), anyone drafts, per lookahead pass, per row
-PRIOR_ROUND = (0.01, 0.05, 0.08, 0.01)
+# always (the plan's own host work), anyone drafts, per lookahead pass, per row, per hole
+# position its first pass fed (DraftKVHoles.first_pass_with_holes: a row of a pass that
+# runs anyway)
+PRIOR_ROUND = (0.01, 0.05, 0.08, 0.01, 0.005)
 # A plan drafts only if the model expects it to beat a plain step's rate by more than
 # this fraction: near the break-even the requests it picks are picked for estimates above
 # their true rate. Real pair, batch 1, T = 1, `adaptive` (interleaved runs, 2026-11-26
@@ -291,7 +294,8 @@ class MeasuredCosts:
         self.clock = clock
         # refit_every: steps between two solves of each fit (see _Regression).
         self.target = _Regression(4, refit_every)  # [1, B, S, S > 0]
-        self.round = _Regression(4, refit_every)  # [1, anyone drafts, passes, rows]
+        # [1, anyone drafts, passes, rows, hole positions fed in the first pass]
+        self.round = _Regression(5, refit_every)
         self.scale: float | None = None  # seconds per relative unit: the median step's
         self._units: deque[float] = deque(maxlen=RECENT_UNITS)
         self._first: list[tuple[np.ndarray, float]] = []  # the first steps, held
@@ -342,8 +346,9 @@ class MeasuredCosts:
             _target_features(1, 0), _target_features(2, 0), _target_features(1, 1),
             _target_features(1, 2))])
         self.round.set_prior([(x, float(x @ pr)) for x in (
-            np.array([1.0, 0, 0, 0]), np.array([1.0, 1, 0, 0]), np.array([1.0, 1, 1, 1]),
-            np.array([1.0, 1, 1, 2]), np.array([1.0, 1, 2, 2]))])
+            np.array([1.0, 0, 0, 0, 0]), np.array([1.0, 1, 0, 0, 0]),
+            np.array([1.0, 1, 1, 1, 0]), np.array([1.0, 1, 1, 2, 0]),
+            np.array([1.0, 1, 2, 2, 0]), np.array([1.0, 1, 0, 0, 1]))])
 
     def _rescale(self) -> None:
         """Follow the median step: the prior's pseudo-points never decay, so a scale taken
@@ -451,9 +456,9 @@ class MeasuredCosts:
     def merged_catch_up(self, positions: int) -> None:
         """The current round's first pass fed ``positions`` hole positions in front of its
         queries (``DraftKVHoles.first_pass_with_holes``) instead of a catch-up pass of
-        their own: they are rows of that pass, counted with the round's rows (its
-        per-row cost is then theirs too), and what a skipped position costs becomes a
-        row (:meth:`skip_prices`)."""
+        their own: rows of that pass, a term of the round's fit of their own (``hole``
+        in the module doc), whose cost per position is what a skipped position costs
+        (:meth:`skip_prices`)."""
         if positions <= 0:
             return
         self._merged_rows += positions
@@ -465,12 +470,13 @@ class MeasuredCosts:
         self.catch_up_positions_sq *= d
         self.catch_up_cross *= d
 
-    def skip_debt(self, row_cost: float = 0.0) -> float:
+    def skip_debt(self, row_cost: float = 0.0, hole_cost: float | None = None) -> float:
         """Seconds per position a skipped first pass leaves to a later catch-up
         (:meth:`skip_prices`' first)."""
-        return self.skip_prices(row_cost)[0]
+        return self.skip_prices(row_cost, hole_cost)[0]
 
-    def skip_prices(self, row_cost: float = 0.0) -> tuple[float, float]:
+    def skip_prices(self, row_cost: float = 0.0,
+                    hole_cost: float | None = None) -> tuple[float, float]:
         """``(per position, per pass)``: what a skipped first pass leaves to a later
         catch-up, as a catch-up pass costs a fixed part plus a part per position.
 
@@ -490,11 +496,16 @@ class MeasuredCosts:
         where drafting nothing ran about 1.0x (2026-11-26 16:52 UTC)."""
         if self.merged_positions > 0.0:
             # Holes ride in the next first pass (DraftKVHoles.first_pass_with_holes): a
-            # skipped position costs a row of that pass, plus its share of the passes
-            # that still run apart (blocks vLLM caches during a run of skips) spread over
-            # every position caught up. No pass is left to a return from skipping.
+            # skipped position costs a row of that pass (``hole_cost``, the round fit's
+            # own term for them; a lookahead row's where not given), plus its share of
+            # the passes that still run apart (blocks vLLM caches during a run of skips)
+            # spread over every position caught up. No pass is left to a return from
+            # skipping. Why a term of their own, not the lookahead rows': at batch 1
+            # mtad's rows (4 beams a pass) move with its passes, and their fitted 1.65 ms
+            # a row, charged to a hole position, priced a skip at 1.79 ms.
             spread = self.catch_up_seconds / (self.catch_up_positions + self.merged_positions)
-            return max(row_cost, 0.0) + spread, 0.0
+            per = row_cost if hole_cost is None else hole_cost
+            return max(per, 0.0) + spread, 0.0
         if self.catch_up_positions <= 0.0:
             return 0.0, 0.0
         average = self.catch_up_seconds / self.catch_up_positions
@@ -512,14 +523,13 @@ class MeasuredCosts:
     def round_ends(self, drafted: bool, passes: int, rows: int) -> None:
         now = self.clock()
         excluded, self._excluded = self._excluded, 0.0
-        rows += self._merged_rows  # hole positions its first pass fed (merged_catch_up)
-        self._merged_rows = 0
+        holes, self._merged_rows = self._merged_rows, 0  # fed in its first pass
         if self._round_start is not None and self.scale is not None:
             # The constant: what every round costs, drafting or not (the plan, the hole
             # bookkeeping), so not a cost of drafting. Without it a skipped round's ~1 ms
             # went into "anyone drafts" (real pair, batch 1, adaptive: 6.97 ms fitted
             # for 5.8 ms more than a skipped round), and the plan drafted too little.
-            x = np.array([1.0, float(drafted), passes, rows])
+            x = np.array([1.0, float(drafted), passes, rows, holes])
             seconds = now - self._round_start - excluded
             if not seconds >= 0.0:
                 # As for a target interval (round_begins): no round takes negative time.
@@ -550,7 +560,7 @@ class MeasuredCosts:
         t, r = self._thetas()
         # The target's fixed cost of verifying anything (t[3]) is paid exactly when the
         # round's is: one "anyone drafts" term.
-        debt = self.skip_debt(row_cost=float(r[3]))
+        debt = self.skip_debt(row_cost=float(r[3]), hole_cost=float(r[4]))
         return StepCosts(target_base=float(t[0]), target_per_request=float(t[1]),
                          target_per_token=float(t[2]), draft_pass=float(r[2]),
                          draft_row=float(r[3]), draft_round=float(r[1] + t[3]),
@@ -580,6 +590,7 @@ class MeasuredCosts:
                          "per_row": 1e3 * c.draft_row,
                          "skip_debt_per_request": 1e3 * c.skip_debt,
                          # Not charged (skip_prices): reported.
+                         "per_hole_position": 1e3 * float(self._thetas()[1][4]),
                          "catch_up_pass": 1e3 * self.skip_prices(
                              row_cost=float(self._thetas()[1][3]))[1]},
         }
