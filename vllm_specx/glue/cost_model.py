@@ -322,7 +322,7 @@ class MeasuredCosts:
         self.catch_up_positions_sq = 0.0
         self.catch_up_cross = 0.0
         # Hole positions fed inside first passes (merged_catch_up; decaying, in step with
-        # the sums above), and those of the current round, added to its rows.
+        # the sums above), and those of the current round (the round fit's hole term).
         self.merged_positions = 0.0
         self._merged_rows = 0
 
@@ -589,8 +589,8 @@ class MeasuredCosts:
                          "per_pass": 1e3 * c.draft_pass,
                          "per_row": 1e3 * c.draft_row,
                          "skip_debt_per_request": 1e3 * c.skip_debt,
-                         # Not charged (skip_prices): reported.
                          "per_hole_position": 1e3 * float(self._thetas()[1][4]),
+                         # Not charged (skip_prices): reported.
                          "catch_up_pass": 1e3 * self.skip_prices(
                              row_cost=float(self._thetas()[1][3]))[1]},
         }
