@@ -759,3 +759,31 @@ def test_a_fit_solved_every_few_steps_is_the_every_step_fit_at_those_steps():
             assert not np.allclose(got, every.theta(prior))
         last = got
     assert len(seen) == 4
+
+
+def test_the_hosts_drift_is_not_priced_as_verifying():
+    # The host's speed drifts over minutes, and where drafting stops and starts in runs
+    # (batch 1 near the break-even) the steps that verify drafts fall in other minutes
+    # than the plain ones. Real pair, batch 1: a four-term fit with forgetting priced
+    # verifying one token at 0 to 4.6 ms as the regimes came and went, where neighbouring
+    # steps differed by about 0.4 ms. Here the step's base drifts by +-10% over 600 steps,
+    # drafting comes in runs of about 15 steps and only while the host is slow, and
+    # verifying one token costs 1.5 ms: the price of verifying must stay near 1.5 ms
+    # throughout, and the plain step must read the current speed.
+    model, clock = _started()
+    rng = np.random.default_rng(7)
+    s = 0
+    for i in range(1500):
+        base = 0.048 * (1.0 + 0.1 * np.sin(2 * np.pi * i / 600))
+        if rng.random() < 1 / 15:
+            s = 1 - s
+        drafts = s if base > 0.048 else 0
+        clock.now += base + 0.0015 * drafts + 0.001 * rng.normal()
+        model.round_begins(1, drafts)
+        clock.now += 0.0005 + 0.0055 * drafts
+        model.round_ends(bool(drafts), 0, 0)
+        if i >= 300 and i % 50 == 49:
+            target = model.describe()["target_ms"]
+            verify = target["per_draft_token"] + target["any_verified"]
+            assert verify == pytest.approx(1.5, abs=0.5), (i, target)
+            assert model.step_costs().target(1, 0) == pytest.approx(base, rel=0.03)

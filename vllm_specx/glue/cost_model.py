@@ -27,7 +27,13 @@ Measured, not configured (:class:`MeasuredCosts`), from the engine's own steps:
   pass by a draft model on V1; ``always``: what a round costs whether or not anyone drafts,
   left out of the plan); a round far above its prior cost is clipped.
 
-Both are least squares with forgetting (about the last 100 steps), solved with every cost
+The target side's slopes (per request, per draft token, verifying anything) come from
+how the steps vary *within* blocks of 16 consecutive steps, each block its own level, and
+its level from the median of the last steps less their slopes' part
+(:class:`_LevelAndSlopes`): the host's speed drifts over minutes by more than verifying a
+draft costs, and where drafting comes and goes in runs a single constant read that drift
+as a cost of drafting. The slopes and the round are least squares with forgetting (about
+the last 100 rounds; 20 blocks that saw the step's shape change), solved with every cost
 non-negative (``_nonnegative_least_squares``; every :data:`REFIT_EVERY` steps in an
 engine), over a prior (pseudo-observations next to
 the origin with a small constant weight). The prior is relative (a verification
@@ -89,6 +95,11 @@ FORGETTING = 0.99  # data weight kept per new observation (~100-step window)
 OUTLIER_FACTOR = 5.0  # an interval this many units above the median is not a step
 ROUND_OUTLIER_FACTOR = 10.0  # a round is clipped at this many times its prior cost
 RECENT_UNITS = 33
+# The target fit's slopes come from the variation within blocks of this many consecutive
+# intervals, each block its own level (_LevelAndSlopes): the host's drift over a block is
+# small against what verifying a draft costs.
+LEVEL_BLOCK = 16
+BLOCK_FORGETTING = 0.95  # per block that saw z change: about its last 20 such blocks
 CATCH_UP_DECAY = 0.99  # the catch-ups' cost per position follows about the last 100
 FIRST_STEPS = 3  # held until their median can tell an outlier among them
 OUTLIERS_IN_A_ROW = 4  # this many in a row are not outliers: the steps changed
@@ -250,8 +261,14 @@ class _Regression:
         self._theta = None
 
     def observe(self, x: np.ndarray, y: float) -> None:
-        self.a = FORGETTING * self.a + np.outer(x, x)
-        self.b = FORGETTING * self.b + x * y
+        self.observe_many(np.outer(x, x), x * y)
+
+    def observe_many(self, xx: np.ndarray, xy: np.ndarray,
+                     forgetting: float = FORGETTING) -> None:
+        """Observations given by their sums ``sum x x'`` and ``sum x y``, after the data
+        so far are weighed down by ``forgetting``."""
+        self.a = forgetting * self.a + xx
+        self.b = forgetting * self.b + xy
         self.count += 1
 
     def theta(self, fallback: np.ndarray) -> np.ndarray:
@@ -267,6 +284,72 @@ class _Regression:
 
     def predict(self, x: np.ndarray, fallback: np.ndarray) -> float:
         return float(x @ self.theta(fallback))
+
+
+class _LevelAndSlopes:
+    """The target side's fit, ``y = level + z . slopes`` with ``z = [B, S, S > 0]``
+    (:func:`_target_features` less its constant): the slopes from the variation of ``z``
+    and ``y`` *within* blocks of :data:`LEVEL_BLOCK` consecutive intervals (each block's
+    own means taken out, the block's level its own: a least squares with a constant per
+    block), with forgetting per block that saw ``z`` change; the level from the median of
+    the last :data:`RECENT_UNITS` intervals less their slopes' part. :meth:`theta`
+    returns ``[level, *slopes]``, the shape of a four-term fit.
+
+    Why: the host's speed drifts over minutes, and a run where drafting stops and starts
+    puts the steps that verify drafts in other minutes than those that do not. Fitted
+    together (one constant), the drift read as a cost of verifying. On the real pair at
+    batch 1 (T = 0, ``adaptive``, 2026-11-28) the target step moved between 45 and 56 ms
+    over a run, and a four-term fit with forgetting priced verifying one draft token at
+    0 to 4.6 ms as the regimes came and went, where steps next to each other differed by
+    about 0.4 ms (median); the plan stopped drafting when the price was high and went
+    back to it once plain steps had brought it down. Within a few steps the drift is
+    nearly nothing, so only the change of ``z`` there prices a difference; a run of steps
+    alike teaches nothing about the slopes and does not wear them away either. Blocks
+    rather than pairs of consecutive steps: a block with one change of regime in it
+    weighs all its steps on each side (8 times the information of the pair at the change,
+    for a change mid-block), on CPU steps whose time varies by 10% from one to the next."""
+
+    def __init__(self, refit_every: int = 1) -> None:
+        self.slopes = _Regression(3, refit_every)  # within-block variation, no constant
+        self.refit_every = max(int(refit_every), 1)
+        self.count = 0
+        self._block: list[tuple[np.ndarray, float]] = []
+        self._recent: deque[tuple[np.ndarray, float]] = deque(maxlen=RECENT_UNITS)
+        self._theta: np.ndarray | None = None
+        self._solved_at = 0
+
+    def set_prior(self, points: Sequence[tuple[np.ndarray, float]]) -> None:
+        """Pseudo-points ``(x, y)`` of the four-term shape: the slopes' prior is their
+        differences from the first."""
+        (x0, y0), rest = points[0], points[1:]
+        self.slopes.set_prior([(x[1:] - x0[1:], y - y0) for x, y in rest])
+        self._theta = None
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        z = x[1:]
+        self._block.append((z, y))
+        self._recent.append((z, y))
+        self.count += 1
+        if len(self._block) == LEVEL_BLOCK:
+            zs = np.array([b[0] for b in self._block])
+            ys = np.array([b[1] for b in self._block])
+            self._block = []
+            dz, dy = zs - zs.mean(0), ys - ys.mean()
+            if np.abs(dz).max() > 0.0:
+                self.slopes.observe_many(dz.T @ dz, dz.T @ dy, BLOCK_FORGETTING)
+
+    def theta(self, fallback: np.ndarray) -> np.ndarray:
+        if self.count == 0:
+            return fallback  # nothing measured yet: the prior itself
+        if self._theta is not None and self.count - self._solved_at < self.refit_every:
+            return self._theta
+        self._solved_at = self.count
+        slopes = self.slopes.theta(fallback[1:])
+        z = np.array([r[0] for r in self._recent])
+        y = np.array([r[1] for r in self._recent])
+        level = float(np.median(y - z @ slopes))
+        self._theta = np.concatenate([[level], slopes])
+        return self._theta
 
 
 def _target_features(num_reqs: int, draft_tokens: int) -> np.ndarray:
@@ -293,7 +376,8 @@ class MeasuredCosts:
                  refit_every: int = 1) -> None:
         self.clock = clock
         # refit_every: steps between two solves of each fit (see _Regression).
-        self.target = _Regression(4, refit_every)  # [1, B, S, S > 0]
+        # [1, B, S, S > 0]: level and slopes (see _LevelAndSlopes)
+        self.target = _LevelAndSlopes(refit_every)
         # [1, anyone drafts, passes, rows, hole positions fed in the first pass]
         self.round = _Regression(5, refit_every)
         self.scale: float | None = None  # seconds per relative unit: the median step's
