@@ -233,7 +233,30 @@ def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray,
     return best
 
 
-class _Regression:
+class _CachedFit:
+    """A fit whose coefficients are solved (``_solve``) at most every ``refit_every``
+    observations (``count``) and read from the last solve in between; before any
+    observation, the caller's fallback (the prior)."""
+
+    count: int
+    refit_every: int
+    _solved_at: int
+    _theta: np.ndarray | None
+
+    def _solve(self, fallback: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def theta(self, fallback: np.ndarray) -> np.ndarray:
+        if self.count == 0:
+            return fallback  # nothing measured yet: the prior itself
+        if self._theta is not None and self.count - self._solved_at < self.refit_every:
+            return self._theta
+        self._solved_at = self.count
+        self._theta = self._solve(fallback)
+        return self._theta
+
+
+class _Regression(_CachedFit):
     """Least squares ``y ~ x . theta`` with forgetting over fixed prior pseudo-points."""
 
     def __init__(self, dims: int, refit_every: int = 1) -> None:
@@ -271,22 +294,17 @@ class _Regression:
         self.b = forgetting * self.b + xy
         self.count += 1
 
-    def theta(self, fallback: np.ndarray) -> np.ndarray:
-        if self.count == 0:
-            return fallback  # nothing measured yet: the prior itself
-        if self._theta is not None and self.count - self._solved_at < self.refit_every:
-            return self._theta
-        self._solved_at = self.count
+    def _solve(self, fallback: np.ndarray) -> np.ndarray:
         a = self.a + self.prior_a + self._ridge
-        self._theta = _nonnegative_least_squares(a, self.b + self.prior_b, self._free)
-        self._free = self._theta > 0
-        return self._theta
+        theta = _nonnegative_least_squares(a, self.b + self.prior_b, self._free)
+        self._free = theta > 0
+        return theta
 
     def predict(self, x: np.ndarray, fallback: np.ndarray) -> float:
         return float(x @ self.theta(fallback))
 
 
-class _LevelAndSlopes:
+class _LevelAndSlopes(_CachedFit):
     """The target side's fit, ``y = level + z . slopes`` with ``z = [B, S, S > 0]``
     (:func:`_target_features` less its constant): the slopes from the variation of ``z``
     and ``y`` *within* blocks of :data:`LEVEL_BLOCK` consecutive intervals (each block's
@@ -338,18 +356,12 @@ class _LevelAndSlopes:
             if np.abs(dz).max() > 0.0:
                 self.slopes.observe_many(dz.T @ dz, dz.T @ dy, BLOCK_FORGETTING)
 
-    def theta(self, fallback: np.ndarray) -> np.ndarray:
-        if self.count == 0:
-            return fallback  # nothing measured yet: the prior itself
-        if self._theta is not None and self.count - self._solved_at < self.refit_every:
-            return self._theta
-        self._solved_at = self.count
+    def _solve(self, fallback: np.ndarray) -> np.ndarray:
         slopes = self.slopes.theta(fallback[1:])
         z = np.array([r[0] for r in self._recent])
         y = np.array([r[1] for r in self._recent])
         level = float(np.median(y - z @ slopes))
-        self._theta = np.concatenate([[level], slopes])
-        return self._theta
+        return np.concatenate([[level], slopes])
 
 
 def _target_features(num_reqs: int, draft_tokens: int) -> np.ndarray:
