@@ -787,3 +787,28 @@ def test_the_hosts_drift_is_not_priced_as_verifying():
             verify = target["per_draft_token"] + target["any_verified"]
             assert verify == pytest.approx(1.5, abs=0.5), (i, target)
             assert model.step_costs().target(1, 0) == pytest.approx(base, rel=0.03)
+
+
+def test_the_slopes_follow_every_block_at_the_engines_refit_cadence():
+    # In an engine the fits are solved every REFIT_EVERY steps; the target's slopes learn
+    # once per block of steps whose shape changed, and must take each such block when the
+    # fit is next solved, not every REFIT_EVERY blocks (hundreds of steps where drafting
+    # is sparse): at the same steps the engine's fit equals a fit solved every step.
+    from vllm_specx.glue.cost_model import REFIT_EVERY
+
+    clock_a, clock_b = Clock(), Clock()
+    sparse, every = MeasuredCosts(clock_a, REFIT_EVERY), MeasuredCosts(clock_b, 1)
+    for model in (sparse, every):
+        model.round_ends(False, 0, 0)
+    rng = np.random.default_rng(11)
+    for i in range(400):
+        drafts = int(i % 40 == 7)  # one drafting step in every 40: sparse blocks
+        seconds = 0.048 + 0.002 * drafts + 0.0005 * rng.normal()
+        for model, clock in ((sparse, clock_a), (every, clock_b)):
+            clock.now += seconds
+            model.round_begins(1, drafts)
+            clock.now += 0.0005
+            model.round_ends(bool(drafts), 0, 0)
+        if i % REFIT_EVERY == REFIT_EVERY - 1:
+            got = sparse.target.theta(sparse._prior_target())
+            np.testing.assert_allclose(got[1:], every.target.theta(every._prior_target())[1:])

@@ -328,7 +328,11 @@ class _LevelAndSlopes(_CachedFit):
     for a change mid-block), on CPU steps whose time varies by 10% from one to the next."""
 
     def __init__(self, refit_every: int = 1) -> None:
-        self.slopes = _Regression(3, refit_every)  # within-block variation, no constant
+        # Within-block variation, no constant. Solved whenever this fit solves and a block
+        # came in (at most once per block): the cadence is this fit's (``refit_every``), and
+        # the slopes' own would wait that many *blocks* with variation, hundreds of steps
+        # where drafting is sparse.
+        self.slopes = _Regression(3)
         self.refit_every = max(int(refit_every), 1)
         self.count = 0
         self._block: list[tuple[np.ndarray, float]] = []
