@@ -68,6 +68,66 @@ def structured(kinds: Sequence[str], max_tokens: int) -> list[Any]:
                            structured_outputs=by_kind[kind]) for kind in kinds]
 
 
+def spec_counts(llm: Any, run: Callable[[], T]) -> tuple[T, int, int]:
+    """``run()``'s result, and the draft tokens drafted and accepted during it, from this
+    engine's own per-step spec-decode stats (the engine needs ``disable_log_stats=False``).
+    Not from ``llm.get_metrics()``: vLLM's Prometheus registry is process-wide, and every
+    engine started later (another fixture of this process) unregisters the collectors of
+    the engines before it."""
+    manager = llm.llm_engine.logger_manager
+    record = manager.record
+    counts = [0, 0]
+
+    def counting_record(scheduler_stats: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec is not None:
+            counts[0] += spec.num_draft_tokens
+            counts[1] += spec.num_accepted_tokens
+        return record(scheduler_stats, *args, **kwargs)
+
+    manager.record = counting_record
+    try:
+        result = run()
+    finally:
+        del manager.record
+    return result, counts[0], counts[1]
+
+
+# Per-request parameters a server's batch mixes (tests/engine/test_per_request_params.py,
+# tests/v2/test_v2_per_request_params.py), as SamplingParams keyword dicts. The allowed
+# tokens stay under Model Runner V2's own limit (1024 ids a request).
+PER_REQUEST_ALLOWED = range(30, 1000)
+PER_REQUEST_MIN_TOKENS = 10
+
+
+def per_request_greedy(max_tokens: int, stop_token: int) -> list[dict[str, Any]]:
+    """Greedy requests with penalties, logprobs (and prompt logprobs), ``min_tokens`` held
+    against ``stop_token`` (choose one the request's plain greedy output emits early), an
+    allowed-token list, and one token only."""
+    base = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+    return [
+        {**base, "repetition_penalty": 1.3},
+        {**base, "presence_penalty": 1.5, "frequency_penalty": 0.7},
+        {**base, "logprobs": 5, "prompt_logprobs": 2},
+        {"temperature": 0.0, "max_tokens": max_tokens, "min_tokens": PER_REQUEST_MIN_TOKENS,
+         "stop_token_ids": [stop_token]},
+        {**base, "allowed_token_ids": list(PER_REQUEST_ALLOWED)},
+        {**base, "max_tokens": 1},
+    ]
+
+
+def per_request_sampled(max_tokens: int) -> list[dict[str, Any]]:
+    """Sampled requests: top-k 1 at T = 1 (it draws the argmax: the plain greedy output),
+    ``n`` = 3, a tiny top-p, and penalties with logprobs."""
+    base = {"max_tokens": max_tokens, "ignore_eos": True}
+    return [
+        {**base, "temperature": 1.0, "top_k": 1, "seed": 2},
+        {**base, "temperature": 1.0, "seed": 4, "n": 3},
+        {**base, "temperature": 1.2, "top_p": 0.05, "seed": 3},
+        {**base, "temperature": 0.7, "seed": 7, "repetition_penalty": 1.2, "logprobs": 3},
+    ]
+
+
 def run_counting_preemptions(llm: Any, run: Callable[[], T]) -> tuple[T, int]:
     """``run()``, and how many times the scheduler preempted a request during it (its
     private ``_preempt_request`` is wrapped for the call and restored afterwards)."""

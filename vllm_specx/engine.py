@@ -83,9 +83,10 @@ def default_dtype() -> str:
     little more than one: docs/benchmarks/real-pair.md, "Can speculation pay on this CPU?");
     else float32.
 
-    Greedy equality of lossless speculation holds within one dtype; bfloat16 changes the
-    target's own outputs slightly (docs/benchmarks/real-pair.md: the perplexity of each
-    dtype's text)."""
+    Greedy equality of lossless speculation holds within one dtype, up to exact ties of
+    two logits at that dtype's precision (docs/methods/index.md: more likely in
+    bfloat16); bfloat16 changes the target's own outputs slightly
+    (docs/benchmarks/real-pair.md: the perplexity of each dtype's text)."""
     chosen = os.environ.get(DTYPE_ENV, "").strip()
     if chosen:
         return chosen

@@ -10,6 +10,7 @@ import inspect
 import textwrap
 
 import pytest
+from engine_requests import spec_counts
 
 pytestmark = pytest.mark.engine
 
@@ -27,30 +28,6 @@ def _prompts() -> list[str]:
     ]
 
 
-def _spec_counts(llm, run):
-    """(drafted, accepted) draft tokens during ``run()``, from this engine's own per-step
-    spec-decode stats. Not from ``llm.get_metrics()``: vLLM's Prometheus registry is
-    process-wide, and every engine started later (another fixture of this process)
-    unregisters the collectors of the engines before it."""
-    manager = llm.llm_engine.logger_manager
-    record = manager.record
-    counts = [0, 0]
-
-    def counting_record(scheduler_stats, *args, **kwargs):
-        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
-        if spec is not None:
-            counts[0] += spec.num_draft_tokens
-            counts[1] += spec.num_accepted_tokens
-        return record(scheduler_stats, *args, **kwargs)
-
-    manager.record = counting_record
-    try:
-        result = run()
-    finally:
-        del manager.record
-    return result, counts[0], counts[1]
-
-
 def _greedy(llm):
     from vllm import SamplingParams
 
@@ -66,7 +43,7 @@ def baseline(target_llm):
 @pytest.mark.parametrize("engine", ["ngram_llm", "draft_llm"])
 def test_greedy_spec_decode_equals_plain_greedy(engine, baseline, request):
     llm = request.getfixturevalue(engine)
-    got, drafted, accepted = _spec_counts(llm, lambda: _greedy(llm))
+    got, drafted, accepted = spec_counts(llm, lambda: _greedy(llm))
     assert got == baseline
     # Both verification outcomes happened: some drafts accepted, some rejected.
     assert drafted > 0
@@ -129,7 +106,7 @@ def test_sampled_spec_decode_follows_one_token_filters(filters, draft_llm, targe
     the sampler intact (vLLM 0.32.0's own CPU expand adapter left them uninitialised).
     """
     greedy = _greedy_short(target_llm)
-    got, drafted, accepted = _spec_counts(
+    got, drafted, accepted = spec_counts(
         draft_llm, lambda: _sampled(draft_llm, seed=7, temperature=0.8, **filters)
     )
     assert got == greedy
