@@ -5,6 +5,7 @@
     vllm-specx train-head  train a SpecDec++ acceptance head for a draft model
     vllm-specx fetch-target  download and convert the real benchmark target, once
     vllm-specx distill     train a draft model for a target by self-distillation
+    vllm-specx distill-eagle3  train an EAGLE-3 head for a Llama target
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_specx.methods import METHODS
+
+    shipped = ", ".join(name for name, spec in METHODS.items() if spec.available)
     parser = argparse.ArgumentParser(
         prog="vllm-specx",
-        description="New speculative-decoding methods for vLLM: mtad, adaptive, specx_mtp. "
+        description=f"New speculative-decoding methods for vLLM: {shipped}. "
         "Use them with vLLM itself: vllm serve <target> --speculative-config "
         "'{\"method\": \"mtad\", \"model\": \"<draft>\", \"num_speculative_tokens\": 4}'.",
     )

@@ -81,3 +81,13 @@ def test_methods_command_lists_methods_and_knobs():
     assert eagle["v2"] is False and "no EAGLE" in eagle["v1_only"]
     text = subprocess.run([str(exe), "methods"], capture_output=True, text=True, timeout=120)
     assert defaults_table_markdown() in text.stdout
+
+
+def test_top_level_help_names_every_shipped_method():
+    from vllm_specx.cli import build_parser
+    from vllm_specx.methods import METHODS
+
+    text = build_parser().format_help()
+    shipped = [name for name, spec in METHODS.items() if spec.available]
+    assert {"mtad", "adaptive", "specx_mtp", "specx_eagle3"} <= set(shipped)
+    assert all(name in text for name in shipped)
