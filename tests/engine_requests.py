@@ -116,6 +116,28 @@ def per_request_greedy(max_tokens: int, stop_token: int) -> list[dict[str, Any]]
     ]
 
 
+PER_REQUEST_MIN_TOKENS_ROW = 3  # per_request_greedy's request with min_tokens
+
+
+def per_request_stop_token(free: Sequence[Sequence[int]]) -> int:
+    """The stop token for :func:`per_request_greedy`: the third token of the ``min_tokens``
+    request's greedy output without parameters (``free``, one row per prompt)."""
+    return int(free[PER_REQUEST_MIN_TOKENS_ROW][2])
+
+
+def check_per_request_greedy(ids: Sequence[Sequence[int]], free: Sequence[Sequence[int]],
+                             stop_token: int) -> None:
+    """Asserts that :func:`per_request_greedy`'s parameters held in its outputs ``ids``: the
+    stop token came third without ``min_tokens`` and not before the minimum with it, only
+    allowed tokens, one token where one was asked for."""
+    row = PER_REQUEST_MIN_TOKENS_ROW
+    assert stop_token in free[row][:3]
+    assert len(ids[row]) >= PER_REQUEST_MIN_TOKENS
+    assert stop_token not in ids[row][:PER_REQUEST_MIN_TOKENS]
+    assert all(t in PER_REQUEST_ALLOWED for t in ids[4])
+    assert len(ids[5]) == 1
+
+
 def per_request_sampled(max_tokens: int) -> list[dict[str, Any]]:
     """Sampled requests: top-k 1 at T = 1 (it draws the argmax: the plain greedy output),
     ``n`` = 3, a tiny top-p, and penalties with logprobs."""

@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 from engine_requests import (
-    PER_REQUEST_ALLOWED,
-    PER_REQUEST_MIN_TOKENS,
+    check_per_request_greedy,
+    generate,
     output_ids,
     per_request_greedy,
     per_request_sampled,
+    per_request_stop_token,
     spec_counts,
 )
 
@@ -62,11 +63,10 @@ def _prompts(target: str) -> list[list[int]]:
 
 
 def _generate(llm: Any, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Any]:
+    """The outputs in request order (``n`` > 1 requests: one output, n completions)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        [SamplingParams(**p) for p in params], use_tqdm=False)
+    outs = generate(llm, prompts, [SamplingParams(**p) for p in params])
     return sorted(outs, key=lambda o: int(o.request_id))
 
 
@@ -91,8 +91,7 @@ def runs() -> Iterator[dict[str, Any]]:
         with running_llm(target, **ENGINE_KW) as llm:
             free = output_ids(_generate(llm, prompts, [
                 {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}] * len(prompts)))
-            # An early token of request 3's own greedy output, not its first.
-            stop = free[3][2]
+            stop = per_request_stop_token(free)
             greedy = per_request_greedy(NEW_TOKENS, stop)
             out[kind] = {"prompts": prompts, "free": free, "stop": stop, "params": greedy,
                          "plain": _generate(llm, prompts, greedy)}
@@ -120,13 +119,8 @@ def test_greedy_requests_with_parameters_equal_no_speculation(runs: dict[str, An
     got, plain = runs[name]["greedy"], base["plain"]
     ids = [list(o.outputs[0].token_ids) for o in got]
     assert ids == [list(o.outputs[0].token_ids) for o in plain]
-    # The parameters held (under speculation and without: the runs are equal). The stop
-    # token came third without min_tokens; with it, not before the minimum.
-    assert base["stop"] in base["free"][3][:3]
-    assert len(ids[3]) >= PER_REQUEST_MIN_TOKENS
-    assert base["stop"] not in ids[3][:PER_REQUEST_MIN_TOKENS]
-    assert all(t in PER_REQUEST_ALLOWED for t in ids[4])
-    assert len(ids[5]) == 1
+    # The parameters held (under speculation and without: the runs are equal).
+    check_per_request_greedy(ids, base["free"], base["stop"])
     # The same logprobs as without speculation: the five best tokens at every position and
     # the prompt's.
     spec_lp, plain_lp = got[2].outputs[0].logprobs, plain[2].outputs[0].logprobs

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from engine_requests import (
-    PER_REQUEST_ALLOWED,
-    PER_REQUEST_MIN_TOKENS,
+    check_per_request_greedy,
     per_request_greedy,
     per_request_sampled,
+    per_request_stop_token,
 )
 from v2_cases import DRAFT, MTP_TARGET, TARGET, heldout_prompts
 
@@ -58,7 +58,7 @@ def runs(v2_engine: Any, v2_host: Any) -> dict[str, Any]:
         v2_engine(key, target)
         free = v2_host.generate(key, prompts, {"temperature": 0.0, "max_tokens": NEW_TOKENS,
                                                "ignore_eos": True})
-        stop = free[3][2]  # an early token of request 3's own greedy output
+        stop = per_request_stop_token(free)
         greedy = per_request_greedy(NEW_TOKENS, stop)
         out[target] = {"free": free, "stop": stop, "params": greedy,
                        "plain": v2_host.call(key, f"{__name__}:run_params", prompts, greedy,
@@ -77,13 +77,7 @@ def test_per_request_parameters_on_v2(runs: dict[str, Any], name: str) -> None:
     base, got = runs[CONFIGS[name][0]], runs[name]
     plain = base["plain"]
     assert got["greedy"] == plain["greedy"]
-    ids = got["greedy"]
-    # The parameters held: the stop token came third without min_tokens.
-    assert base["stop"] in base["free"][3][:3]
-    assert len(ids[3]) >= PER_REQUEST_MIN_TOKENS
-    assert base["stop"] not in ids[3][:PER_REQUEST_MIN_TOKENS]
-    assert all(t in PER_REQUEST_ALLOWED for t in ids[4])
-    assert len(ids[5]) == 1
+    check_per_request_greedy(got["greedy"], base["free"], base["stop"])
     assert [t for t, _ in got["logprobs"]] == [t for t, _ in plain["logprobs"]]
     assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got["logprobs"], plain["logprobs"]))
     # top-k 1 at T = 1 draws the argmax; every sampled request ran its length.
