@@ -98,6 +98,11 @@ def spec_counts(llm: Any, run: Callable[[], T]) -> tuple[T, int, int]:
 # tokens stay under Model Runner V2's own limit (1024 ids a request).
 PER_REQUEST_ALLOWED = range(30, 1000)
 PER_REQUEST_MIN_TOKENS = 10
+# Rows of per_request_greedy's list (the tests read their outputs by these).
+PER_REQUEST_LOGPROBS_ROW = 2
+PER_REQUEST_MIN_TOKENS_ROW = 3
+PER_REQUEST_ALLOWED_ROW = 4
+PER_REQUEST_ONE_TOKEN_ROW = 5
 
 
 def per_request_greedy(max_tokens: int, stop_token: int) -> list[dict[str, Any]]:
@@ -116,8 +121,6 @@ def per_request_greedy(max_tokens: int, stop_token: int) -> list[dict[str, Any]]
     ]
 
 
-PER_REQUEST_MIN_TOKENS_ROW = 3  # per_request_greedy's request with min_tokens
-
 
 def per_request_stop_token(free: Sequence[Sequence[int]]) -> int:
     """The stop token for :func:`per_request_greedy`: the third token of the ``min_tokens``
@@ -134,8 +137,8 @@ def check_per_request_greedy(ids: Sequence[Sequence[int]], free: Sequence[Sequen
     assert stop_token in free[row][:3]
     assert len(ids[row]) >= PER_REQUEST_MIN_TOKENS
     assert stop_token not in ids[row][:PER_REQUEST_MIN_TOKENS]
-    assert all(t in PER_REQUEST_ALLOWED for t in ids[4])
-    assert len(ids[5]) == 1
+    assert all(t in PER_REQUEST_ALLOWED for t in ids[PER_REQUEST_ALLOWED_ROW])
+    assert len(ids[PER_REQUEST_ONE_TOKEN_ROW]) == 1
 
 
 def per_request_sampled(max_tokens: int) -> list[dict[str, Any]]:

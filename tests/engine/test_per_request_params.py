@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from engine_requests import (
+    PER_REQUEST_LOGPROBS_ROW,
     check_per_request_greedy,
     generate,
     output_ids,
@@ -123,11 +124,12 @@ def test_greedy_requests_with_parameters_equal_no_speculation(runs: dict[str, An
     check_per_request_greedy(ids, base["free"], base["stop"])
     # The same logprobs as without speculation: the five best tokens at every position and
     # the prompt's.
-    spec_lp, plain_lp = got[2].outputs[0].logprobs, plain[2].outputs[0].logprobs
+    row = PER_REQUEST_LOGPROBS_ROW
+    spec_lp, plain_lp = got[row].outputs[0].logprobs, plain[row].outputs[0].logprobs
     assert len(spec_lp) == NEW_TOKENS and all(len(row) >= 5 for row in spec_lp)
     assert all(_same_logprobs(m, t) for m, t in zip(spec_lp, plain_lp))
-    assert all(_same_logprobs(m, t) for m, t in zip(got[2].prompt_logprobs[1:],
-                                                    plain[2].prompt_logprobs[1:]))
+    assert all(_same_logprobs(m, t) for m, t in zip(got[row].prompt_logprobs[1:],
+                                                    plain[row].prompt_logprobs[1:]))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from engine_requests import (
+    PER_REQUEST_LOGPROBS_ROW,
     check_per_request_greedy,
     per_request_greedy,
     per_request_sampled,
@@ -30,7 +31,6 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "specx_mtp": (MTP_TARGET, {"method": "specx_mtp", "num_speculative_tokens": 3,
                                "adaptive": True}),
 }
-LOGPROBS_ROW = 2  # per_request_greedy's request with logprobs
 
 
 def run_params(llm: Any, prompts: list[list[int]], greedy: list[dict[str, Any]],
@@ -39,10 +39,10 @@ def run_params(llm: Any, prompts: list[list[int]], greedy: list[dict[str, Any]],
     chosen tokens' logprobs), the sampled batch, and the first two greedy requests again."""
     from vllm_specx.testing.v2_engine import generate_token_ids, generate_with_logprobs
 
+    row = PER_REQUEST_LOGPROBS_ROW
     return {
         "greedy": generate_token_ids(llm, prompts, greedy),
-        "logprobs": generate_with_logprobs(llm, prompts[LOGPROBS_ROW:LOGPROBS_ROW + 1],
-                                           greedy[LOGPROBS_ROW])[0],
+        "logprobs": generate_with_logprobs(llm, prompts[row:row + 1], greedy[row])[0],
         "sampled": generate_token_ids(llm, prompts[:len(sampled)], sampled),
         "again": generate_token_ids(llm, prompts[:2], greedy[:2]),
     }
