@@ -100,6 +100,13 @@ RECENT_UNITS = 33
 # small against what verifying a draft costs.
 LEVEL_BLOCK = 16
 BLOCK_FORGETTING = 0.95  # per block that saw z change: about its last 20 such blocks
+SLOPE_BLOCKS = 40  # the blocks kept for the slopes (the oldest weighs 0.95^39 = 0.14)
+# The slopes' robust fit (_LevelAndSlopes._robust_slopes): an interval whose residual is
+# more than HUBER_CLIP noise deviations (at least MIN_NOISE_FRACTION of the median
+# interval) weighs in inversely to it; HUBER_ITERATIONS reweightings from least squares.
+HUBER_CLIP = 2.0
+MIN_NOISE_FRACTION = 0.002
+HUBER_ITERATIONS = 6
 CATCH_UP_DECAY = 0.99  # the catch-ups' cost per position follows about the last 100
 FIRST_STEPS = 3  # held until their median can tell an outlier among them
 OUTLIERS_IN_A_ROW = 4  # this many in a row are not outliers: the steps changed
@@ -307,45 +314,57 @@ class _Regression(_CachedFit):
 class _LevelAndSlopes(_CachedFit):
     """The target side's fit, ``y = level + z . slopes`` with ``z = [B, S, S > 0]``
     (:func:`_target_features` less its constant): the slopes from the variation of ``z``
-    and ``y`` *within* blocks of :data:`LEVEL_BLOCK` consecutive intervals (each block's
-    own means taken out, the block's level its own: a least squares with a constant per
-    block), with forgetting per block that saw ``z`` change; the level from the median of
-    the last :data:`RECENT_UNITS` intervals less their slopes' part. :meth:`theta`
-    returns ``[level, *slopes]``, the shape of a four-term fit.
+    and ``y`` *within* blocks of :data:`LEVEL_BLOCK` consecutive intervals (each block its
+    own level: a regression with a constant per block) over the last
+    :data:`SLOPE_BLOCKS` blocks that saw ``z`` change, each weighed down by
+    :data:`BLOCK_FORGETTING` per newer such block, robustly (:meth:`_robust_slopes`); the
+    level from the median of the last :data:`RECENT_UNITS` intervals less their slopes'
+    part. :meth:`theta` returns ``[level, *slopes]``, the shape of a four-term fit.
 
-    Why: the host's speed drifts over minutes, and a run where drafting stops and starts
-    puts the steps that verify drafts in other minutes than those that do not. Fitted
-    together (one constant), the drift read as a cost of verifying. On the real pair at
-    batch 1 (T = 0, ``adaptive``, 2026-11-28) the target step moved between 45 and 56 ms
-    over a run, and a four-term fit with forgetting priced verifying one draft token at
-    0 to 4.6 ms as the regimes came and went, where steps next to each other differed by
-    about 0.4 ms (median); the plan stopped drafting when the price was high and went
-    back to it once plain steps had brought it down. Within a few steps the drift is
-    nearly nothing, so only the change of ``z`` there prices a difference; a run of steps
-    alike teaches nothing about the slopes and does not wear them away either. Blocks
-    rather than pairs of consecutive steps: a block with one change of regime in it
-    weighs all its steps on each side (8 times the information of the pair at the change,
-    for a change mid-block), on CPU steps whose time varies by 10% from one to the next."""
+    Why blocks: the host's speed drifts over minutes, and a run where drafting stops and
+    starts puts the steps that verify drafts in other minutes than those that do not.
+    Fitted together (one constant), the drift read as a cost of verifying. On the real
+    pair at batch 1 (T = 0, ``adaptive``, 2026-11-28) the target step moved between 45 and
+    56 ms over a run, and a four-term fit with forgetting priced verifying one draft token
+    at 0 to 4.6 ms as the regimes came and went, where steps next to each other differed
+    by about 0.4 ms (median). Within a few steps the drift is nearly nothing, so only the
+    change of ``z`` there prices a difference; a run of steps alike teaches nothing about
+    the slopes and does not wear them away either. Blocks rather than pairs of consecutive
+    steps: a block with one change of regime in it weighs all its steps on each side.
+
+    Why robust: the host also slows for 10-20 steps at a time (on the real pair a CPU-time
+    step of 43 ms took 60-105 ms), and where the plan is idle only its probes verify, one
+    step in a block: a least squares over them followed whichever slow stretch took one
+    in. The idle regime's fit priced verifying one token at 3.87 ms where, call by call,
+    a verifying step cost about 1 ms more than its idle neighbours, and the plan stayed
+    idle where drafting paid about 4% (docs/cost-control.md)."""
 
     def __init__(self, refit_every: int = 1) -> None:
-        # Within-block variation, no constant. Solved whenever this fit solves and a block
-        # came in (at most once per block): the cadence is this fit's (``refit_every``), and
-        # the slopes' own would wait that many *blocks* with variation, hundreds of steps
-        # where drafting is sparse.
-        self.slopes = _Regression(3)
         self.refit_every = max(int(refit_every), 1)
         self.count = 0
         self._block: list[tuple[np.ndarray, float]] = []
+        # The blocks that saw z change, as ([LEVEL_BLOCK, 3] z, [LEVEL_BLOCK] y), oldest
+        # first; how many came in so far, and at which count the slopes were last fitted.
+        self._blocks: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=SLOPE_BLOCKS)
+        self._blocks_seen = 0
+        self._slopes_at = -1
+        self._slopes: np.ndarray | None = None
+        self._free: np.ndarray | None = None  # the last solution's non-zero slopes
         self._recent: deque[tuple[np.ndarray, float]] = deque(maxlen=RECENT_UNITS)
         self._theta: np.ndarray | None = None
         self._solved_at = 0
+        self._prior_a = np.zeros((3, 3))
+        self._prior_b = np.zeros(3)
 
     def set_prior(self, points: Sequence[tuple[np.ndarray, float]]) -> None:
         """Pseudo-points ``(x, y)`` of the four-term shape: the slopes' prior is their
-        differences from the first."""
+        differences from the first (weight :data:`PRIOR_WEIGHT` in all, never decaying)."""
         (x0, y0), rest = points[0], points[1:]
-        self.slopes.set_prior([(x[1:] - x0[1:], y - y0) for x, y in rest])
+        w = PRIOR_WEIGHT / max(len(rest), 1)
+        self._prior_a = sum(w * np.outer(x[1:] - x0[1:], x[1:] - x0[1:]) for x, _ in rest)
+        self._prior_b = sum(w * (x[1:] - x0[1:]) * (y - y0) for x, y in rest)
         self._theta = None
+        self._slopes_at = -1  # the prior is part of the slopes' fit
 
     def observe(self, x: np.ndarray, y: float) -> None:
         z = x[1:]
@@ -356,12 +375,52 @@ class _LevelAndSlopes(_CachedFit):
             zs = np.array([b[0] for b in self._block])
             ys = np.array([b[1] for b in self._block])
             self._block = []
-            dz, dy = zs - zs.mean(0), ys - ys.mean()
-            if np.abs(dz).max() > 0.0:
-                self.slopes.observe_many(dz.T @ dz, dz.T @ dy, BLOCK_FORGETTING)
+            if np.abs(zs - zs[0]).max() > 0.0:
+                self._blocks.append((zs, ys))
+                self._blocks_seen += 1
+
+    def _robust_slopes(self) -> np.ndarray:
+        """The slopes over the kept blocks by iteratively reweighted least squares with
+        Huber's weights (each block's level its weighted mean, costs not negative, over
+        the prior): an interval whose residual is more than :data:`HUBER_CLIP` noise
+        deviations (the residuals' median absolute value over 0.6745, at least
+        :data:`MIN_NOISE_FRACTION` of the median interval) weighs in inversely to its
+        residual, so one odd interval moves the slopes by a bounded amount however far
+        off it is. Refitted from the kept intervals each time: an early block that misled
+        the fit does not hold it back once others outweigh it."""
+        zs = np.array([b[0] for b in self._blocks])  # [blocks, LEVEL_BLOCK, 3]
+        ys = np.array([b[1] for b in self._blocks])  # [blocks, LEVEL_BLOCK]
+        age = BLOCK_FORGETTING ** np.arange(len(self._blocks) - 1, -1, -1.0)
+        floor = MIN_NOISE_FRACTION * float(np.median(ys))
+        weights = np.ones_like(ys)
+        slopes = np.zeros(3)
+        ridge = 1e-12 * np.eye(3)
+        for _ in range(HUBER_ITERATIONS):
+            w = weights * age[:, None]
+            total = w.sum(1, keepdims=True)
+            dz = (zs - (w[..., None] * zs).sum(1, keepdims=True)
+                  / total[..., None]).reshape(-1, 3)
+            dy = (ys - (w * ys).sum(1, keepdims=True) / total).reshape(-1)
+            wdz = dz * w.reshape(-1, 1)
+            slopes = _nonnegative_least_squares(wdz.T @ dz + self._prior_a + ridge,
+                                                wdz.T @ dy + self._prior_b, self._free)
+            residual = np.abs(dy - dz @ slopes).reshape(ys.shape)
+            clip = HUBER_CLIP * max(float(np.median(residual)) / 0.6745, floor)
+            new_weights = np.minimum(1.0, clip / np.maximum(residual, 1e-300))
+            if np.abs(new_weights - weights).max() < 0.01:
+                break  # the weights settled: the next solve would give these slopes
+            weights = new_weights
+        self._free = slopes > 0
+        return slopes
 
     def _solve(self, fallback: np.ndarray) -> np.ndarray:
-        slopes = self.slopes.theta(fallback[1:])
+        if not self._blocks:
+            slopes = fallback[1:]
+        else:
+            if self._slopes_at != self._blocks_seen or self._slopes is None:
+                self._slopes = self._robust_slopes()
+                self._slopes_at = self._blocks_seen
+            slopes = self._slopes
         z = np.array([r[0] for r in self._recent])
         y = np.array([r[1] for r in self._recent])
         level = float(np.median(y - z @ slopes))
