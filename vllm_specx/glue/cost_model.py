@@ -32,10 +32,12 @@ how the steps vary *within* blocks of 16 consecutive steps, each block its own l
 its level from the median of the last steps less their slopes' part
 (:class:`_LevelAndSlopes`): the host's speed drifts over minutes by more than verifying a
 draft costs, and where drafting comes and goes in runs a single constant read that drift
-as a cost of drafting. The slopes and the round are least squares with forgetting (about
-the last 100 rounds; 20 blocks that saw the step's shape change), solved with every cost
-non-negative (``_nonnegative_least_squares``; every :data:`REFIT_EVERY` steps in an
-engine), over a prior (pseudo-observations next to
+as a cost of drafting; the slopes are Huber-weighted, so that a stretch of slow host steps
+that takes in one of the few steps verifying anything does not price verifying. The round
+is least squares with forgetting (about the last 100 rounds), the slopes weighted least
+squares over the last 40 blocks that saw the step's shape change (the older ones fading),
+both solved with every cost non-negative (``_nonnegative_least_squares``; every
+:data:`REFIT_EVERY` steps in an engine), over a prior (pseudo-observations next to
 the origin with a small constant weight). The prior is relative (a verification
 row costs 5% of a target step, a draft row 1%, ...) and takes its scale from the median
 of the recent steps (the first three held until their median can be taken), so the
