@@ -334,9 +334,9 @@ class _LevelAndSlopes(_CachedFit):
     the slopes and does not wear them away either. Blocks rather than pairs of consecutive
     steps: a block with one change of regime in it weighs all its steps on each side.
 
-    Why robust: the host also slows for 10-20 steps at a time (on the real pair a CPU-time
-    step of 43 ms took 60-105 ms), and where the plan is idle only its probes verify, one
-    step in a block: a least squares over them followed whichever slow stretch took one
+    Why robust: the host also slows for 1-20 steps at a time (on the real pair a CPU-time
+    step of 43 ms took 50-105 ms), and where the plan is idle only its probes verify, one
+    step in a block or fewer: a least squares over them followed whichever slow stretch took one
     in. The idle regime's fit priced verifying one token at 3.87 ms where, call by call,
     a verifying step cost about 1 ms more than its idle neighbours, and the plan stayed
     idle where drafting paid about 4% (docs/cost-control.md)."""
