@@ -242,6 +242,14 @@ def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray,
     return best
 
 
+def _prior_sums(points: Sequence[tuple[np.ndarray, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """``sum w x x'`` and ``sum w x y`` of the prior's pseudo-points ``(x, y)``, their
+    weights :data:`PRIOR_WEIGHT` in all (they never decay)."""
+    w = PRIOR_WEIGHT / max(len(points), 1)
+    return (sum(w * np.outer(x, x) for x, _ in points),
+            sum(w * x * y for x, y in points))
+
+
 class _CachedFit:
     """A fit whose coefficients are solved (``_solve``) at most every ``refit_every``
     observations (``count``) and read from the last solve in between; before any
@@ -287,20 +295,13 @@ class _Regression(_CachedFit):
         self._ridge = 1e-12 * np.eye(dims)
 
     def set_prior(self, points: Sequence[tuple[np.ndarray, float]]) -> None:
-        w = PRIOR_WEIGHT / max(len(points), 1)
-        self.prior_a = sum(w * np.outer(x, x) for x, _ in points)
-        self.prior_b = sum(w * x * y for x, y in points)
+        self.prior_a, self.prior_b = _prior_sums(points)
         self._theta = None
 
     def observe(self, x: np.ndarray, y: float) -> None:
-        self.observe_many(np.outer(x, x), x * y)
-
-    def observe_many(self, xx: np.ndarray, xy: np.ndarray,
-                     forgetting: float = FORGETTING) -> None:
-        """Observations given by their sums ``sum x x'`` and ``sum x y``, after the data
-        so far are weighed down by ``forgetting``."""
-        self.a = forgetting * self.a + xx
-        self.b = forgetting * self.b + xy
+        """One observation, after the data so far are weighed down by :data:`FORGETTING`."""
+        self.a = FORGETTING * self.a + np.outer(x, x)
+        self.b = FORGETTING * self.b + x * y
         self.count += 1
 
     def _solve(self, fallback: np.ndarray) -> np.ndarray:
@@ -362,9 +363,8 @@ class _LevelAndSlopes(_CachedFit):
         """Pseudo-points ``(x, y)`` of the four-term shape: the slopes' prior is their
         differences from the first (weight :data:`PRIOR_WEIGHT` in all, never decaying)."""
         (x0, y0), rest = points[0], points[1:]
-        w = PRIOR_WEIGHT / max(len(rest), 1)
-        self._prior_a = sum(w * np.outer(x[1:] - x0[1:], x[1:] - x0[1:]) for x, _ in rest)
-        self._prior_b = sum(w * (x[1:] - x0[1:]) * (y - y0) for x, y in rest)
+        self._prior_a, self._prior_b = _prior_sums([(x[1:] - x0[1:], y - y0)
+                                                    for x, y in rest])
         self._theta = None
         self._slopes_at = -1  # the prior is part of the slopes' fit
 
